@@ -1,0 +1,28 @@
+"""hyperdcp: distributed checkpoints of sharded training state.
+
+    meta = hyperdcp.save(state_dict, "ckpt/step-100")   # every rank calls it
+    hyperdcp.load(state_dict, "ckpt/step-100")          # in place, any layout
+    meta = hyperdcp.read_metadata("ckpt/step-100")      # no process group needed
+"""
+
+from ._version import __version__
+from .api import load, read_metadata, save
+from .errors import *  # noqa: F401,F403
+from .errors import __all__ as _errors
+from .format.metadata import Metadata
+from .loading import LoadResult
+from .options import LoadOptions, SaveOptions
+from .saving import SaveResult
+
+__all__ = [
+    "__version__",
+    "save",
+    "load",
+    "read_metadata",
+    "Metadata",
+    "SaveOptions",
+    "LoadOptions",
+    "SaveResult",
+    "LoadResult",
+    *_errors,
+]

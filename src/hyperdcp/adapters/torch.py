@@ -1,0 +1,133 @@
+"""torch tensors and DTensors.
+
+A plain ``torch.Tensor`` is one full box held by every rank (replicated). A ``DTensor`` contributes
+its local shard: the box follows from its mesh and ``Shard(d)``/``Replicate()`` placements (uneven
+shards included); the ranks holding an identical box are those that share its mesh coordinates on
+every sharded mesh dimension.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..core.boxes import Box, full_box
+from ..core.shards import LocalShard, ShardedTensor
+from ..errors import StateDictError
+
+try:  # torch >= 2.4
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover - older torch
+    from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore
+
+try:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover
+    from torch.distributed._tensor._utils import compute_local_shape_and_global_offset  # type: ignore
+
+_CODES = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.float32: "F32",
+    torch.int64: "I64",
+    torch.float64: "F64",
+    torch.complex64: "C64",
+}
+for _name, _code in [("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"), ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")]:
+    if hasattr(torch, _name):
+        _CODES[getattr(torch, _name)] = _code
+TORCH_DTYPE = {v: k for k, v in _CODES.items()}
+
+
+def is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, DTensor):
+        return f"DTensor{tuple(value.shape)} {value.dtype} on mesh {tuple(value.device_mesh.shape)} {list(value.placements)}"
+    return f"Tensor{tuple(value.shape)} {value.dtype} on {value.device}"
+
+
+def dtype_code(fqn: str, dtype: torch.dtype) -> str:
+    try:
+        return _CODES[dtype]
+    except KeyError:
+        raise StateDictError(f"cannot store {fqn!r}: dtype {dtype} has no safetensors equivalent") from None
+
+
+def host_bytes(t: torch.Tensor) -> np.ndarray:
+    """Flat uint8 host view of a tensor's bytes (copies only if not on CPU or not contiguous)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    t = t.contiguous()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.view(torch.uint8).reshape(-1).numpy()
+
+
+def dtensor_box(fqn: str, dt: "DTensor") -> Box:
+    for p in dt.placements:
+        if not isinstance(p, (Shard, Replicate)) or type(p).__name__ == "_StridedShard":
+            raise StateDictError(
+                f"cannot checkpoint {fqn!r}: placement {p} is not supported; hyperdcp stores Shard(d) and "
+                "Replicate() placements (redistribute Partial tensors to Replicate first)"
+            )
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    return Box(tuple(int(o) for o in offset), tuple(int(s) for s in shape))
+
+
+def replica_ranks(dt: "DTensor", ctx) -> tuple[int, ...] | None:
+    """Group ranks holding the same box as this rank: same coordinate on every Shard mesh dim."""
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    ranks = mesh.mesh
+    idx = tuple(slice(None) if isinstance(p, Replicate) else c for p, c in zip(dt.placements, coord))
+    glob = ranks[idx].reshape(-1).tolist()
+    to_group = {g: r for r, g in enumerate(ctx.global_ranks)}
+    try:
+        return tuple(sorted(to_group[g] for g in glob))
+    except KeyError:
+        return None
+
+
+def to_sharded(fqn: str, value: torch.Tensor, ctx, for_load: bool) -> ShardedTensor:
+    if isinstance(value, DTensor):
+        box = dtensor_box(fqn, value)
+        local = value.to_local()
+        reps = replica_ranks(value, ctx)
+        shape = tuple(int(s) for s in value.shape)
+    else:
+        box, local, reps = full_box(value.shape), value, tuple(range(ctx.world_size))
+        shape = box.lengths
+    code = dtype_code(fqn, value.dtype)
+    if tuple(local.shape) != box.lengths:
+        raise StateDictError(f"{fqn!r}: local shard shape {tuple(local.shape)} does not match its placement box {box}")
+    if not for_load:
+        data = host_bytes(local) if box.numel else np.zeros(0, np.uint8)
+        return ShardedTensor(fqn, code, shape, [LocalShard(box, data, reps)])
+    if box.numel == 0:
+        return ShardedTensor(fqn, code, shape, [])
+    local = local.detach()
+    if local.device.type == "cpu" and local.is_contiguous():
+        flat = local.reshape(1) if local.dim() == 0 else local
+        return ShardedTensor(fqn, code, shape, [LocalShard(box, flat.view(torch.uint8).reshape(-1).numpy(), reps)])
+    pin = local.device.type == "cuda"
+    host = torch.empty(box.lengths, dtype=local.dtype, pin_memory=pin)
+    st = ShardedTensor(fqn, code, shape, [LocalShard(box, host_bytes(host) if host.dim() else host.reshape(1).view(torch.uint8).numpy(), reps)])
+
+    def finish(dst=local, src=host):
+        dst.copy_(src, non_blocking=False)
+
+    st.finish = finish
+    return st

@@ -1,0 +1,1 @@
+"""Framework-neutral core: dtypes, N-d boxes and the shard contract. Depends on numpy only."""

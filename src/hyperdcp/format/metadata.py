@@ -1,0 +1,321 @@
+"""The global metadata file (``hyperdcp.json``): the commit record and the map of every stored chunk.
+
+A checkpoint is complete iff this file is present and valid. It is strict JSON (specified in
+docs/FORMAT.md) whose last member is ``"metadata_checksum"``: the xxh3-64 of the file's bytes with
+that checksum's 16 hex digits replaced by zeros. Reading validates everything before anything is used:
+version, names, dtypes, shapes, chunk boxes (in bounds, tiling each tensor exactly), file names (plain
+names inside the checkpoint directory), byte ranges (inside their file, sized to their box, not
+overlapping) and checksum strings.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from .._version import __version__
+from ..core import dtypes
+from ..core.boxes import Box, check_exact_cover
+from ..errors import CheckpointError, FormatError, UnsupportedVersionError
+from . import values as values_codec
+
+FORMAT_NAME = "hyperdcp"
+FORMAT_VERSION = 1
+METADATA_FILE = "hyperdcp.json"
+CHECKSUM_ALGORITHM = "xxh3-64"
+DEFAULT_BLOCK_BYTES = 4 << 20
+_TRAILER_RE = re.compile(rb',"metadata_checksum":"([0-9a-f]{16})"\}\n?$')
+_ZERO = b"0" * 16
+FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
+MAX_DIMS = 64
+MAX_NUMEL = 1 << 62
+
+
+def n_blocks(nbytes: int, block_bytes: int) -> int:
+    """Number of checksum blocks covering ``nbytes`` (an empty chunk still has one, of b"")."""
+    return max(1, -(-nbytes // block_bytes))
+
+
+@dataclass
+class ChunkTable:
+    """The stored chunks of one tensor, column by column (row i is chunk i)."""
+
+    offsets: np.ndarray  # (n, ndim) int64
+    lengths: np.ndarray  # (n, ndim) int64
+    file: np.ndarray  # (n,) int64: index into Metadata.files
+    begin: np.ndarray  # (n,) int64: absolute byte offset of the chunk in its file
+    end: np.ndarray  # (n,) int64
+    checksums: list[str]  # per chunk: 16 hex digits per checksum block
+
+    def __len__(self) -> int:
+        return len(self.begin)
+
+    def box(self, i: int) -> Box:
+        return Box(tuple(int(x) for x in self.offsets[i]), tuple(int(x) for x in self.lengths[i]))
+
+
+@dataclass
+class TensorMeta:
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: ChunkTable
+
+    @property
+    def nbytes(self) -> int:
+        n = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return n * dtypes.itemsize(self.dtype)
+
+
+@dataclass
+class FileMeta:
+    name: str
+    nbytes: int
+
+
+@dataclass
+class Metadata:
+    """Everything a reader needs; see docs/FORMAT.md."""
+
+    world_size: int
+    files: list[FileMeta]
+    tensors: dict[str, TensorMeta]
+    values: dict[str, Any]
+    checksum_block_bytes: int = DEFAULT_BLOCK_BYTES
+    format_version: int = FORMAT_VERSION
+    library_version: str = __version__
+    created_unix: float = field(default_factory=time.time)
+    user: dict[str, Any] = field(default_factory=dict)
+
+    # -- summaries -------------------------------------------------------------------------
+    @property
+    def tensor_bytes(self) -> int:
+        """Unique tensor bytes (each element once)."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def data_file_bytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    @property
+    def num_chunks(self) -> int:
+        return sum(len(t.chunks) for t in self.tensors.values())
+
+    def keys(self) -> list[str]:
+        return sorted(set(self.tensors) | set(self.values))
+
+    # -- encoding --------------------------------------------------------------------------
+    def to_json(self) -> bytes:
+        tensors = {}
+        for name, t in self.tensors.items():
+            c = t.chunks
+            tensors[name] = {
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "chunks": {
+                    "offsets": c.offsets.tolist(),
+                    "lengths": c.lengths.tolist(),
+                    "file": c.file.tolist(),
+                    "begin": c.begin.tolist(),
+                    "end": c.end.tolist(),
+                    "checksums": list(c.checksums),
+                },
+            }
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "library_version": self.library_version,
+            "created_unix": self.created_unix,
+            "world_size": self.world_size,
+            "checksum": {"algorithm": CHECKSUM_ALGORITHM, "block_bytes": self.checksum_block_bytes},
+            "files": [{"name": f.name, "bytes": f.nbytes} for f in self.files],
+            "tensors": tensors,
+            "values": {k: values_codec.encode(v, k) for k, v in self.values.items()},
+            "user": self.user,
+        }
+        body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        body = body[:-1] + b',"metadata_checksum":"' + _ZERO + b'"}\n'
+        digest = b"%016x" % xxhash.xxh3_64_intdigest(body)
+        return body[: -len(_ZERO) - 3] + digest + b'"}\n'
+
+    @classmethod
+    def from_json(cls, raw: bytes, where: str = METADATA_FILE) -> "Metadata":
+        """Parse and strictly validate; raise a FormatError subclass naming ``where`` on any problem."""
+        try:
+            return _parse(raw, where)
+        except CheckpointError:
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError, MemoryError) as e:
+            raise FormatError(f"{where}: invalid metadata ({type(e).__name__}: {e}); the file is damaged") from None
+
+
+def _parse(raw: bytes, where: str) -> Metadata:
+    def bad(why: str) -> FormatError:
+        return FormatError(f"{where}: {why}; the metadata is damaged or was not written by hyperdcp")
+
+    m = _TRAILER_RE.search(raw)
+    if m is None:
+        raise bad("missing or malformed metadata_checksum trailer (truncated file?)")
+    zeroed = raw[: m.start(1)] + _ZERO + raw[m.end(1):]
+    if b"%016x" % xxhash.xxh3_64_intdigest(zeroed) != m.group(1):
+        raise bad("metadata_checksum does not match the file's contents (corrupted file)")
+    doc = json.loads(raw.decode("utf-8"), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise bad(f"not a {FORMAT_NAME} metadata document")
+    version = doc.get("format_version")
+    if type(version) is not int or version < 1:
+        raise bad(f"bad format_version {version!r}")
+    if version > FORMAT_VERSION:
+        raise UnsupportedVersionError(
+            f"{where}: checkpoint format version {version} is newer than this hyperdcp reads "
+            f"(up to {FORMAT_VERSION}); upgrade hyperdcp to load it"
+        )
+    world = _int(doc.get("world_size"), "world_size", bad, lo=1, hi=1 << 31)
+    ck = doc.get("checksum")
+    if not isinstance(ck, dict) or ck.get("algorithm") != CHECKSUM_ALGORITHM:
+        raise bad(f"checksum algorithm must be {CHECKSUM_ALGORITHM!r}")
+    block = _int(ck.get("block_bytes"), "checksum.block_bytes", bad, lo=1, hi=1 << 40)
+
+    files_doc = doc.get("files")
+    if not isinstance(files_doc, list):
+        raise bad("files must be a list")
+    files, seen = [], set()
+    for f in files_doc:
+        if not isinstance(f, dict) or type(f.get("name")) is not str:
+            raise bad("each file needs a name")
+        name = f["name"]
+        if not FILE_NAME_RE.match(name) or name == METADATA_FILE or name in seen:
+            raise bad(f"file name {name!r} is not a plain, unique file name inside the checkpoint directory")
+        seen.add(name)
+        files.append(FileMeta(name, _int(f.get("bytes"), f"size of {name}", bad, lo=0, hi=1 << 60)))
+
+    tensors_doc = doc.get("tensors")
+    if not isinstance(tensors_doc, dict):
+        raise bad("tensors must be an object")
+    tensors: dict[str, TensorMeta] = {}
+    ranges = []
+    for name, t in tensors_doc.items():
+        tensors[name] = tm = _parse_tensor(name, t, len(files), block, bad)
+        if len(tm.chunks):
+            ranges.append(np.stack([tm.chunks.file, tm.chunks.begin, tm.chunks.end], axis=1))
+    if ranges:
+        r = np.concatenate(ranges)
+        sizes = np.array([f.nbytes for f in files], dtype=np.int64)
+        if (r[:, 2] > sizes[r[:, 0]]).any():
+            i = int(np.argmax(r[:, 2] > sizes[r[:, 0]]))
+            raise bad(f"a chunk ends at byte {r[i, 2]} past the end of {files[r[i, 0]].name} ({sizes[r[i, 0]]} bytes)")
+        r = r[np.lexsort((r[:, 1], r[:, 0]))]
+        same = r[1:, 0] == r[:-1, 0]
+        if (same & (r[1:, 1] < r[:-1, 2])).any():
+            raise bad("two chunks overlap in the same data file")
+
+    values_doc = doc.get("values")
+    if not isinstance(values_doc, dict):
+        raise bad("values must be an object")
+    vals = {k: values_codec.decode(v, f"{where}: value {k!r}") for k, v in values_doc.items()}
+    clash = set(vals) & set(tensors)
+    if clash:
+        raise bad(f"key {sorted(clash)[0]!r} is both a tensor and a value")
+    user = doc.get("user", {})
+    if not isinstance(user, dict):
+        raise bad("user must be an object")
+    lib = doc.get("library_version")
+    created = doc.get("created_unix")
+    return Metadata(
+        world_size=world,
+        files=files,
+        tensors=tensors,
+        values=vals,
+        checksum_block_bytes=block,
+        format_version=version,
+        library_version=lib if isinstance(lib, str) else "?",
+        created_unix=float(created) if type(created) in (int, float) else 0.0,
+        user=user,
+    )
+
+
+def _int(v, what, bad, lo, hi) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise bad(f"{what} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _int_array(v, what, bad, shape) -> np.ndarray:
+    if not isinstance(v, list):
+        raise bad(f"{what} must be a list")
+    try:
+        a = np.array(v) if v else np.zeros(shape, dtype=np.int64)
+    except (ValueError, TypeError, OverflowError):
+        raise bad(f"{what} must hold integers") from None
+    if a.size == 0 and a.shape == shape:
+        return np.zeros(shape, dtype=np.int64)
+    if a.dtype.kind not in "iu" or a.shape != shape:
+        raise bad(f"{what} must hold integers in shape {shape}")
+    return a.astype(np.int64, copy=False)
+
+
+def _parse_tensor(name: str, t: Any, nfiles: int, block: int, bad) -> TensorMeta:
+    if not isinstance(name, str) or not name:
+        raise bad("tensor names must be non-empty strings")
+    if not isinstance(t, dict):
+        raise bad(f"tensor {name!r} must be an object")
+    code = t.get("dtype")
+    if code not in dtypes.ITEMSIZE:
+        raise bad(f"tensor {name!r} has unknown dtype {code!r}")
+    shape_doc = t.get("shape")
+    if not isinstance(shape_doc, list) or len(shape_doc) > MAX_DIMS or any(type(s) is not int or s < 0 for s in shape_doc):
+        raise bad(f"tensor {name!r} has an invalid shape {shape_doc!r}")
+    shape = tuple(shape_doc)
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel > MAX_NUMEL:
+        raise bad(f"tensor {name!r} declares an absurd size {list(shape)}")
+    c = t.get("chunks")
+    if not isinstance(c, dict):
+        raise bad(f"tensor {name!r} has no chunk table")
+    files = c.get("file")
+    n = len(files) if isinstance(files, list) else -1
+    if n < 0:
+        raise bad(f"tensor {name!r}: chunks.file must be a list")
+    nd = len(shape)
+    offsets = _int_array(c.get("offsets"), f"tensor {name!r} chunks.offsets", bad, (n, nd))
+    lengths = _int_array(c.get("lengths"), f"tensor {name!r} chunks.lengths", bad, (n, nd))
+    file = _int_array(files, f"tensor {name!r} chunks.file", bad, (n,))
+    begin = _int_array(c.get("begin"), f"tensor {name!r} chunks.begin", bad, (n,))
+    end = _int_array(c.get("end"), f"tensor {name!r} chunks.end", bad, (n,))
+    sums = c.get("checksums")
+    if not isinstance(sums, list) or len(sums) != n:
+        raise bad(f"tensor {name!r}: chunks.checksums must list one string per chunk")
+    if n and ((file < 0) | (file >= nfiles)).any():
+        raise bad(f"tensor {name!r}: a chunk names a file index outside the file list")
+    if n and ((lengths <= 0).any() if nd else False):
+        raise bad(f"tensor {name!r}: chunks must not be empty")
+    if n and ((begin < 0) | (end < begin)).any():
+        raise bad(f"tensor {name!r}: a chunk has a negative byte range")
+    size = dtypes.itemsize(code) * (lengths.prod(axis=1) if nd else np.ones(n, dtype=np.int64))
+    if n and not np.array_equal(end - begin, size):
+        raise bad(f"tensor {name!r}: a chunk's byte range does not match its box size")
+    for i, s in enumerate(sums):
+        want = 16 * n_blocks(int(end[i] - begin[i]), block)
+        if type(s) is not str or len(s) != want or not _HEX.fullmatch(s):
+            raise bad(f"tensor {name!r}: chunk {i} checksum string is malformed")
+    if numel == 0:
+        if n:
+            raise bad(f"tensor {name!r} is empty but lists chunks")
+    else:
+        if n == 0:
+            raise bad(f"tensor {name!r} lists no chunks")
+        try:
+            check_exact_cover(name, shape, offsets, lengths)
+        except CheckpointError as e:
+            raise bad(f"chunks do not tile tensor {name!r} exactly ({e})") from None
+    return TensorMeta(code, shape, ChunkTable(offsets, lengths, file, begin, end, sums))
+
+
+_HEX = re.compile(r"[0-9a-f]*")

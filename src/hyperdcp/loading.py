@@ -1,0 +1,202 @@
+"""The load flow behind :func:`hyperdcp.load`.
+
+1. rank 0 reads the metadata and sends it to all ranks (validated on each);
+2. each rank walks its state dict: every tensor leaf becomes destination boxes (its local shards),
+   intersected with the stored chunks through a per-tensor index; plain values are taken from the
+   metadata;
+3. the needed bytes are read -- by this rank, or once cluster-wide and exchanged
+   (:mod:`hyperdcp.exchange`) -- verified against their checksums and copied into place;
+4. a final exchange makes an error on any rank fail the load on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import adapters
+from .adapters.state_dict import TENSOR, LoadLeaf, leaves_for_load
+from .coordination.base import Coordinator, all_gather_checked, broadcast_checked, run_checked
+from .core import dtypes
+from .core.shards import ShardedTensor
+from .errors import CorruptionError, MismatchError, StateDictError
+from .format.metadata import METADATA_FILE, Metadata
+from .options import LoadOptions
+from .planning.load_plan import ChunkRead, Piece, TensorIndex, check_compatible, dst_view, group_reads, pieces_for, src_view
+from .storage.checksum import verify_blocks
+from .storage.commit import read_metadata_bytes
+from .storage.reader import DataFiles
+
+
+@dataclass
+class LoadResult:
+    """What :func:`hyperdcp.load` returns on every rank (the state dict is updated in place)."""
+
+    path: str
+    missing_keys: list[str] = field(default_factory=list)  # in the state dict, not in the checkpoint
+    unused_keys: list[str] = field(default_factory=list)  # in the checkpoint, not asked for
+    bytes_read: int = 0  # from storage, by this rank
+    seconds: float = 0.0
+    metadata: Metadata | None = None
+
+
+def fetch_metadata(coord: Coordinator, path: str) -> Metadata:
+    """Rank 0 reads the commit record, every rank validates it; errors raise on every rank."""
+    raw = broadcast_checked(coord, f"reading the metadata of {path!r}", lambda: read_metadata_bytes(path), 0)
+    return Metadata.from_json(raw, where=os.path.join(os.fspath(path), METADATA_FILE))
+
+
+def copy_piece(buf: np.ndarray, read: ChunkRead, meta: Metadata, piece: Piece) -> None:
+    """Copy one piece out of a buffer holding bytes [read.lo, read.hi) of its chunk."""
+    t = meta.tensors[piece.fqn]
+    cb = t.chunks.box(piece.chunk)
+    cast = piece.dst_dtype != t.dtype
+    src = src_view(buf, read, cb, piece.box, t.dtype, typed=cast)
+    dst = dst_view(piece.dst, piece.box, piece.dst_dtype, typed=cast)
+    np.copyto(dst, src, casting="unsafe")
+
+
+def read_chunk(files: DataFiles, meta: Metadata, read: ChunkRead, verify: bool, direct_ok: bool = True) -> tuple[np.ndarray, bool]:
+    """Read (and verify) bytes [lo, hi) of a stored chunk as a flat uint8 array.
+
+    Returns (buffer, direct): direct when the bytes were read straight into their destination.
+    """
+    t = meta.tensors[read.fqn]
+    what = f"tensor {read.fqn!r} chunk {t.chunks.box(read.chunk)}"
+    direct = _direct_target(read, meta) if direct_ok and len(read.pieces) == 1 else None
+    buf = direct if direct is not None else np.empty(read.nbytes, dtype=np.uint8)
+    files.read_into(read.file, read.begin + read.lo, buf, what)
+    if verify:
+        B = meta.checksum_block_bytes
+        bad = verify_blocks(buf, read.lo // B, t.chunks.checksums[read.chunk], B)
+        if bad is not None:
+            raise CorruptionError(
+                f"checksum mismatch in {files.path(read.file)} for {what} (block {bad}, bytes "
+                f"{read.begin + bad * B}..): the data file is corrupted; restore it or load another checkpoint"
+            )
+    return buf, direct is not None
+
+
+def _direct_target(read: ChunkRead, meta: Metadata) -> np.ndarray | None:
+    """The destination memory itself, when the read is a whole chunk landing contiguously uncast."""
+    p = read.pieces[0]
+    t = meta.tensors[p.fqn]
+    size = int(t.chunks.end[p.chunk] - t.chunks.begin[p.chunk])
+    if p.dst is None or p.dst_dtype != t.dtype or read.lo != 0 or read.hi != size or p.box != t.chunks.box(p.chunk):
+        return None
+    view = dst_view(p.dst, p.box, p.dst_dtype, typed=False)
+    if not view.flags.c_contiguous:
+        return None
+    return view.reshape(-1)
+
+
+def execute_local_reads(files: DataFiles, meta: Metadata, reads: list[ChunkRead], opts: LoadOptions) -> None:
+    def one(r: ChunkRead) -> None:
+        buf, direct = read_chunk(files, meta, r, opts.verify_checksums)
+        if not direct:
+            for p in r.pieces:
+                if p.dst is not None:
+                    copy_piece(buf, r, meta, p)
+
+    if opts.read_threads > 1 and len(reads) > 1:
+        with ThreadPoolExecutor(min(opts.read_threads, len(reads))) as ex:
+            list(ex.map(one, sorted(reads, key=lambda r: (r.file, r.begin + r.lo))))
+    else:
+        for r in reads:
+            one(r)
+
+
+@dataclass
+class LoadTargets:
+    """This rank's destinations: tensors to fill, values to set, and what is missing."""
+
+    tensors: dict[str, ShardedTensor]
+    values: list[tuple[LoadLeaf, Any]]
+    missing: list[str]
+    pieces: list[Piece]
+    used: set[str]
+
+
+def plan_targets(leaves: list[LoadLeaf], meta: Metadata, coord: Coordinator, opts: LoadOptions) -> LoadTargets:
+    index = TensorIndex(meta)
+    out = LoadTargets({}, [], [], [], set())
+    for leaf in leaves:
+        fqn = leaf.fqn
+        if leaf.kind == TENSOR:
+            if fqn not in meta.tensors:
+                if fqn in meta.values:
+                    raise MismatchError(f"{fqn!r} is a tensor in the state dict but a plain value in the checkpoint")
+                out.missing.append(fqn)
+                continue
+            st = adapters.to_sharded(fqn, leaf.value, coord, for_load=True)
+            stored = meta.tensors[fqn]
+            check_compatible(fqn, st, stored, opts.allow_cast)
+            out.tensors[fqn] = st
+            out.pieces.extend(pieces_for(st, index.get(fqn), stored))
+        elif fqn in meta.values:
+            out.values.append((leaf, meta.values[fqn]))
+        elif fqn in meta.tensors:
+            raise MismatchError(
+                f"{fqn!r} is a plain value ({type(leaf.value).__name__}) in the state dict but a tensor in the "
+                "checkpoint; put a tensor of the saved shape there to load it"
+            )
+        else:
+            out.missing.append(fqn)
+            continue
+        out.used.add(fqn)
+    return out
+
+
+def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> LoadResult:
+    t0 = time.perf_counter()
+    meta = fetch_metadata(coord, path)
+    files = DataFiles(path, meta)
+    try:
+        def plan():
+            if not isinstance(state_dict, dict) and not hasattr(state_dict, "state_dict"):
+                raise StateDictError(
+                    f"load needs a dict (or an object with state_dict()) to load into, got {type(state_dict).__name__}"
+                )
+            leaves, finish = leaves_for_load(state_dict)
+            targets = plan_targets(leaves, meta, coord, opts)
+            if targets.missing and opts.strict:
+                raise MismatchError(
+                    f"{len(targets.missing)} key(s) of the state dict are not in checkpoint {path!r}: "
+                    f"{targets.missing[:10]}; pass strict=False to load the rest"
+                )
+            return targets, finish
+
+        targets, finish = run_checked(coord, f"planning the load of {path!r}", plan)
+
+        def do_reads():
+            if opts.read_once and coord.world_size > 1:
+                from .exchange import read_once
+
+                read_once(files, meta, targets.pieces, coord, opts)
+            else:
+                reads = group_reads(meta, targets.pieces, opts.verify_checksums)
+                execute_local_reads(files, meta, reads, opts)
+            for st in targets.tensors.values():
+                if st.finish is not None:
+                    st.finish()
+            # values are set only once every tensor arrived, so a failed load leaves them untouched
+            for leaf, value in targets.values:
+                leaf.set(value)
+            finish()
+
+        run_checked(coord, f"loading {path!r}", do_reads)
+    finally:
+        files.close()
+    return LoadResult(
+        path=os.fspath(path),
+        missing_keys=targets.missing,
+        unused_keys=sorted(k for k in meta.keys() if k not in targets.used),
+        bytes_read=files.bytes_read,
+        seconds=time.perf_counter() - t0,
+        metadata=meta,
+    )

@@ -1,0 +1,55 @@
+"""Options for save and load, gathered in one object each (any field can also be passed as a keyword)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from .format.metadata import DEFAULT_BLOCK_BYTES
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    #: replace a complete checkpoint at the path (written aside, swapped in only once complete)
+    overwrite: bool = False
+    #: torch.distributed process group of the saving ranks (default: the world)
+    process_group: Any = None
+    #: seconds a rank waits for the others at each step before failing (None: the group's timeout)
+    timeout: float | None = None
+    #: bytes per checksum block (verification granularity of ranged reads)
+    checksum_block_bytes: int = DEFAULT_BLOCK_BYTES
+    #: data files per writing rank; more files are written by parallel threads
+    files_per_rank: int = 1
+    #: reuse global plans for saves of the same structure
+    plan_cache: bool = True
+    #: free-form JSON-serialisable metadata stored with the checkpoint
+    user_metadata: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    #: a key of the state dict absent from the checkpoint is an error (else reported)
+    strict: bool = True
+    #: verify per-block checksums of every byte read
+    verify_checksums: bool = True
+    #: convert stored dtypes to the state dict's dtypes (otherwise a dtype difference is an error)
+    allow_cast: bool = False
+    process_group: Any = None
+    timeout: float | None = None
+    #: threads issuing reads on each rank
+    read_threads: int = 4
+    #: read each stored byte once cluster-wide and send it to the ranks that need it
+    read_once: bool = True
+    #: bound on bytes buffered per read-once batch
+    read_once_batch_bytes: int = 256 << 20
+
+
+def resolve(cls, options, overrides: dict[str, Any]):
+    base = options if options is not None else cls()
+    if not isinstance(base, cls):
+        raise TypeError(f"options must be a {cls.__name__}, got {type(base).__name__}")
+    names = {f.name for f in fields(cls)}
+    unknown = set(overrides) - names
+    if unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; {cls.__name__} has {sorted(names)}")
+    return replace(base, **overrides) if overrides else base

@@ -1,0 +1,361 @@
+"""Save planning: local plans, the deduplicating global plan, and the plan cache.
+
+Lifecycle of one save (every rank):
+
+1. :meth:`LocalPlan.build` lists the rank's tensors (name, dtype, global shape), the names of its
+   plain values, and every non-empty box it holds.
+2. Each rank sends ``digest()`` (16 bytes) to all. If every rank finds the combined key in its
+   :class:`PlanCache`, planning is skipped (the warm path exchanges nothing else).
+3. Otherwise rank 0 gathers the local plans and runs :func:`plan_global`: it validates that ranks agree
+   on keys, shapes and dtypes and that each tensor's boxes tile it exactly, deduplicates boxes by
+   (tensor, box), and picks one writer per unique box: the only holder if there is one, else the
+   holder with the fewest bytes assigned so far, largest boxes first.
+4. Each rank receives its assignment: the indices of the local chunks it writes.
+
+Everything is vectorised over the (rank, chunk) entries so that 16,384 ranks x 100 tensors plans in
+well under a second; see bench/planner_scale.py.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+from ..coordination import wire
+from ..core import dtypes
+from ..core.boxes import Box, check_exact_cover
+from ..core.shards import LocalShard, ShardedTensor
+from ..errors import MismatchError
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class LocalPlan:
+    """One rank's view: its tensor table, value keys and chunks ``(tidx, offsets, lengths)``.
+
+    Boxes are stored in ``(n, D)`` arrays with ``D`` the largest rank among the tensors; unused
+    trailing dimensions are padded with offset 0 and length 1.
+    """
+
+    def __init__(self, tensors: Sequence[TensorSpec], value_keys: Sequence[str], tidx, offsets, lengths):
+        self.tensors = list(tensors)
+        self.value_keys = list(value_keys)
+        self.tidx = np.asarray(tidx, dtype=np.int64)
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self._bytes: bytes | None = None
+
+    @classmethod
+    def build(cls, items: Sequence[ShardedTensor], value_keys: Sequence[str]) -> tuple["LocalPlan", list[tuple[ShardedTensor, LocalShard]]]:
+        """The plan for ``items`` (sorted by name) and the local chunks in plan order."""
+        items = sorted(items, key=lambda it: it.fqn)
+        D = max((len(it.shape) for it in items), default=0)
+        specs, tidx, offs, lens, chunks = [], [], [], [], []
+        for t, it in enumerate(items):
+            specs.append(TensorSpec(it.fqn, it.dtype, tuple(int(s) for s in it.shape)))
+            pad = D - len(it.shape)
+            for sh in it.shards:
+                if sh.box.numel == 0:
+                    continue
+                tidx.append(t)
+                offs.append(tuple(sh.box.offsets) + (0,) * pad)
+                lens.append(tuple(sh.box.lengths) + (1,) * pad)
+                chunks.append((it, sh))
+        n = len(tidx)
+        plan = cls(
+            specs,
+            sorted(value_keys),
+            np.array(tidx, dtype=np.int64),
+            np.array(offs, dtype=np.int64).reshape(n, D),
+            np.array(lens, dtype=np.int64).reshape(n, D),
+        )
+        return plan, chunks
+
+    def table_json(self) -> bytes:
+        return json.dumps(
+            [[[t.fqn, t.dtype, list(t.shape)] for t in self.tensors], self.value_keys], separators=(",", ":")
+        ).encode()
+
+    def to_bytes(self) -> bytes:
+        if self._bytes is None:
+            self._bytes = wire.pack(
+                {"table": self.table_json().decode()},
+                {"tidx": self.tidx, "offsets": self.offsets, "lengths": self.lengths},
+            )
+        return self._bytes
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> "LocalPlan":
+        head, arr = wire.unpack(raw)
+        table, keys = json.loads(head["table"])
+        specs = [TensorSpec(f, d, tuple(s)) for f, d, s in table]
+        plan = cls(specs, keys, arr["tidx"], arr["offsets"], arr["lengths"])
+        plan._bytes = raw
+        return plan
+
+    def digest(self, world_size: int) -> bytes:
+        h = xxhash.xxh3_128(self.to_bytes())
+        h.update(world_size.to_bytes(8, "little"))
+        return h.digest()
+
+
+@dataclass
+class GlobalPlan:
+    """The result of global planning. Unique chunks are sorted by tensor, then by position."""
+
+    world_size: int
+    tensors: list[TensorSpec]
+    value_keys: list[str]
+    u_tidx: np.ndarray  # (U,)
+    u_offsets: np.ndarray  # (U, D) padded
+    u_lengths: np.ndarray  # (U, D) padded
+    u_writer: np.ndarray  # (U,) rank writing the chunk
+    u_slot: np.ndarray  # (U,) position of the chunk in its writer's assignment
+    assignments: list[np.ndarray]  # per rank: local chunk indices to write, in order
+
+    @property
+    def bytes_per_rank(self) -> np.ndarray:
+        size = np.array([dtypes.itemsize(t.dtype) for t in self.tensors], dtype=np.int64)
+        nb = self.u_lengths.prod(axis=1) * size[self.u_tidx] if len(self.u_tidx) else np.zeros(0, np.int64)
+        return np.bincount(self.u_writer, weights=nb, minlength=self.world_size).astype(np.int64)
+
+    def tensor_ranges(self) -> np.ndarray:
+        """``r[t]:r[t+1]`` are the unique chunks of tensor ``t``."""
+        return np.searchsorted(self.u_tidx, np.arange(len(self.tensors) + 1))
+
+
+def _mix(x: np.ndarray, seed: int) -> np.ndarray:
+    """splitmix64 finaliser: a well-spread 64-bit hash of each integer."""
+    z = x.astype(np.uint64) + np.uint64(seed)
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _table_mismatch(plans: Sequence[LocalPlan]) -> MismatchError:
+    ref = {t.fqn: t for t in plans[0].tensors}
+    ref_vals = set(plans[0].value_keys)
+    for r, p in enumerate(plans[1:], start=1):
+        mine = {t.fqn: t for t in p.tensors}
+        only0 = sorted((set(ref) | ref_vals) - (set(mine) | set(p.value_keys)))
+        onlyr = sorted((set(mine) | set(p.value_keys)) - (set(ref) | ref_vals))
+        if only0 or onlyr:
+            return MismatchError(
+                f"ranks passed different keys to save: rank 0 has {only0[:5]} that rank {r} lacks, rank {r} has "
+                f"{onlyr[:5]} that rank 0 lacks. Every rank must save the same keys"
+            )
+        for k, t in mine.items():
+            if k in ref and (ref[k].shape, ref[k].dtype) != (t.shape, t.dtype):
+                return MismatchError(
+                    f"tensor {k!r}: rank 0 says global shape {list(ref[k].shape)} {ref[k].dtype}, rank {r} says "
+                    f"{list(t.shape)} {t.dtype}; every rank must agree on the global shape and dtype"
+                )
+        if set(mine) != set(ref):
+            k = sorted(set(mine) ^ set(ref))[0]
+            return MismatchError(f"key {k!r} is a tensor on one rank and a plain value on another (ranks 0 and {r})")
+    return MismatchError("ranks disagree on the tensor table")
+
+
+def _greedy(sizes: np.ndarray, loads: Sequence[int]) -> np.ndarray:
+    """Largest first, each to the least-loaded holder (ties to the lowest position)."""
+    heap = [(int(l), i) for i, l in enumerate(loads)]
+    heapq.heapify(heap)
+    out = np.empty(len(sizes), dtype=np.int64)
+    for j, s in enumerate(sizes.tolist()):
+        l, i = heapq.heappop(heap)
+        out[j] = i
+        heapq.heappush(heap, (l + s, i))
+    return out
+
+
+def plan_global(plans: Sequence[LocalPlan]) -> GlobalPlan:
+    """Validate and deduplicate every rank's chunks, and choose one balanced writer per unique chunk."""
+    W = len(plans)
+    ref = plans[0]
+    table = ref.table_json()
+    if any(p.table_json() != table for p in plans[1:]):
+        raise _table_mismatch(plans)
+    specs = ref.tensors
+    T = len(specs)
+    D = max((len(t.shape) for t in specs), default=0)
+    itemsize = np.array([dtypes.itemsize(t.dtype) for t in specs], dtype=np.int64)
+    numel = np.array([int(np.prod(t.shape, dtype=np.int64)) if t.shape else 1 for t in specs], dtype=np.int64)
+    strides = np.zeros((T, D), dtype=np.int64)
+    for t, spec in enumerate(specs):
+        acc = 1
+        for d in range(len(spec.shape) - 1, -1, -1):
+            strides[t, d] = acc
+            acc *= spec.shape[d]
+    base = np.concatenate([[0], np.cumsum(numel)[:-1]]) if T else np.zeros(0, np.int64)
+
+    counts = np.array([len(p.tidx) for p in plans], dtype=np.int64)
+    n = int(counts.sum())
+    tidx = np.concatenate([p.tidx for p in plans]) if n else np.zeros(0, np.int64)
+    offs = np.concatenate([p.offsets.reshape(-1, D) for p in plans]) if n else np.zeros((0, D), np.int64)
+    lens = np.concatenate([p.lengths.reshape(-1, D) for p in plans]) if n else np.zeros((0, D), np.int64)
+    rank = np.repeat(np.arange(W, dtype=np.int64), counts)
+    lidx = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+
+    if n:
+        spec_shape = np.array([list(s.shape) + [1] * (D - len(s.shape)) for s in specs], dtype=np.int64).reshape(T, D)
+        bad = (offs < 0) | (lens < 0) | (offs + lens > spec_shape[tidx])
+        if bad.any():
+            i = int(np.argmax(bad.any(axis=1)))
+            s = specs[tidx[i]]
+            nd = len(s.shape)
+            raise MismatchError(
+                f"tensor {s.fqn!r}: rank {rank[i]} holds box {Box(tuple(offs[i][:nd]), tuple(lens[i][:nd]))} "
+                f"outside the global shape {list(s.shape)}"
+            )
+    key = base[tidx] + (offs * strides[tidx]).sum(axis=1) if n else np.zeros(0, np.int64)
+    order = np.lexsort((rank, key))
+    key_s = key[order]
+    new = np.ones(n, dtype=bool)
+    new[1:] = key_s[1:] != key_s[:-1]
+    first = np.flatnonzero(new)
+    U = len(first)
+    uid = np.cumsum(new) - 1
+    L = lens[order]
+    same_len = (L == L[first][uid]).all(axis=1) if n else np.ones(0, bool)
+    if not same_len.all():
+        i = int(np.argmin(same_len))
+        s = specs[tidx[order[i]]]
+        nd = len(s.shape)
+        j = order[first[uid[i]]]
+        raise MismatchError(
+            f"tensor {s.fqn!r}: rank {rank[order[i]]} holds box {Box(tuple(offs[order[i]][:nd]), tuple(L[i][:nd]))} "
+            f"and rank {rank[j]} holds {Box(tuple(offs[j][:nd]), tuple(lens[j][:nd]))}: they partially overlap; "
+            "shards of one tensor must be identical (replicas) or disjoint"
+        )
+    u_tidx = tidx[order[first]]
+    u_off = offs[order[first]]
+    u_len = L[first]
+    vol = u_len.prod(axis=1) if D else np.ones(U, np.int64)
+
+    # every tensor tiled exactly: cheap test first, full geometric check where it is needed
+    starts = np.searchsorted(u_tidx, np.arange(T + 1))
+    per_t = np.diff(starts)
+    covered = np.add.reduceat(vol, starts[:-1]) if U else np.zeros(T, np.int64)
+    covered = np.where(per_t > 0, covered, 0)
+    for t in np.flatnonzero((per_t != 1) | (covered != numel)):
+        spec = specs[t]
+        if numel[t] == 0:
+            continue
+        if per_t[t] == 0:
+            raise MismatchError(f"tensor {spec.fqn!r}: no rank holds any part of it; check its placements")
+        nd = len(spec.shape)
+        sl = slice(starts[t], starts[t + 1])
+        check_exact_cover(spec.fqn, spec.shape, u_off[sl, :nd], u_len[sl, :nd])
+
+    nbytes = vol * itemsize[u_tidx]
+    cnt = np.diff(np.append(first, n))
+    ranks_sorted = rank[order]
+    writer = np.full(U, -1, dtype=np.int64)
+    single = cnt == 1
+    writer[single] = ranks_sorted[first[single]]
+    load = np.zeros(W, dtype=np.int64)
+    np.add.at(load, writer[single], nbytes[single])
+    rep = np.flatnonzero(~single)
+    if rep.size:
+        _assign_replicated(rep, first, cnt, ranks_sorted, nbytes, writer, load)
+
+    comb = uid * W + ranks_sorted
+    target = np.arange(U, dtype=np.int64) * W + writer
+    pos = np.searchsorted(comb, target)
+    if rep.size and not np.array_equal(comb[np.minimum(pos, n - 1)], target):
+        # a holder-set hash collided (astronomically unlikely): redo the replicated boxes exactly
+        load[:] = 0
+        np.add.at(load, writer[single], nbytes[single])
+        _assign_replicated(rep, first, cnt, ranks_sorted, nbytes, writer, load, exact=True)
+        target = np.arange(U, dtype=np.int64) * W + writer
+        pos = np.searchsorted(comb, target)
+    w_local = lidx[order[pos]]
+    by_writer = np.argsort(writer, kind="stable")
+    per_rank = np.bincount(writer, minlength=W)
+    rank_start = np.concatenate([[0], np.cumsum(per_rank)[:-1]])
+    slot = np.empty(U, dtype=np.int64)
+    slot[by_writer] = np.arange(U) - rank_start[writer[by_writer]]
+    sorted_local = w_local[by_writer]
+    assignments = [sorted_local[rank_start[r] : rank_start[r] + per_rank[r]] for r in range(W)]
+    return GlobalPlan(W, list(specs), list(ref.value_keys), u_tidx, u_off, u_len, writer, slot, assignments)
+
+
+def _assign_replicated(rep, first, cnt, ranks_sorted, nbytes, writer, load, exact: bool = False) -> None:
+    """Give each replicated unique chunk to one holder, balancing bytes.
+
+    Chunks are grouped by holder set (all chunks of one replica group share it); groups are processed
+    largest first, and within a group chunks go largest first to the least-loaded holder. Groups with
+    the same chunk sizes and starting loads get the same pattern, computed once.
+    """
+    if exact:
+        for u in rep[np.argsort(-nbytes[rep], kind="stable")]:
+            holders = ranks_sorted[first[u] : first[u] + cnt[u]]
+            w = int(holders[int(np.argmin(load[holders]))])
+            writer[u] = w
+            load[w] += nbytes[u]
+        return
+    h1 = np.add.reduceat(_mix(ranks_sorted, 0x9E3779B97F4A7C15), first)
+    h2 = np.add.reduceat(_mix(ranks_sorted, 0xD1B54A32D192ED03), first)
+    g_order = np.lexsort((h2[rep], h1[rep], cnt[rep]))
+    r = rep[g_order]
+    brk = np.ones(len(r), dtype=bool)
+    brk[1:] = (h1[r][1:] != h1[r][:-1]) | (h2[r][1:] != h2[r][:-1]) | (cnt[r][1:] != cnt[r][:-1])
+    gstart = np.flatnonzero(brk)
+    gend = np.append(gstart[1:], len(r))
+    totals = np.add.reduceat(nbytes[r], gstart)
+    memo: dict = {}
+    for g in np.argsort(-totals, kind="stable"):
+        boxes = r[gstart[g] : gend[g]]
+        boxes = boxes[np.argsort(-nbytes[boxes], kind="stable")]
+        u0 = boxes[0]
+        members = ranks_sorted[first[u0] : first[u0] + cnt[u0]]
+        sizes = nbytes[boxes]
+        init = load[members]
+        key = (sizes.tobytes(), init.tobytes())
+        pattern = memo.get(key)
+        if pattern is None:
+            pattern = memo[key] = _greedy(sizes, init)
+        writer[boxes] = members[pattern]
+        load[members] += np.bincount(pattern, weights=sizes, minlength=len(members)).astype(np.int64)
+
+
+class PlanCache:
+    """Global plans by the digests of every rank's local plan (bounded, least recently used out)."""
+
+    def __init__(self, capacity: int = 8):
+        self.capacity = capacity
+        self._entries: "OrderedDict[bytes, GlobalPlan | np.ndarray]" = OrderedDict()
+
+    @staticmethod
+    def key(digests: Sequence[bytes]) -> bytes:
+        return xxhash.xxh3_128(b"".join(digests)).digest()
+
+    def get(self, key: bytes):
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+        return hit
+
+    def put(self, key: bytes, value) -> None:
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()

@@ -1,0 +1,256 @@
+"""The save flow shared by :func:`hyperdcp.save` and the async persist processes.
+
+1. *stage*: adapters turn the state dict into chunks with host bytes plus plain values;
+2. *persist*: exchange plan digests; rank 0 takes the target (lock, temporary directory); global
+   planning (or the cached plan); every rank writes its assigned chunks with checksums and fsyncs;
+   rank 0 assembles the metadata and commits. Each step is an exchange in which an error on any rank
+   fails the save on every rank, and rank 0 removes the temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import adapters
+from .adapters.state_dict import TENSOR, iter_leaves
+from .coordination import wire
+from .coordination.base import Coordinator, all_gather_checked, broadcast_checked, pack_status, unpack_status
+from .core.shards import LocalShard, ShardedTensor, check_shard_buffer
+from .errors import StateDictError
+from .format import values as values_codec
+from .format.metadata import ChunkTable, FileMeta, Metadata, TensorMeta
+from .options import SaveOptions
+from .planning.save_plan import GlobalPlan, LocalPlan, PlanCache, plan_global
+from .storage.commit import SaveTarget, load_metadata
+from .storage.data_file import ChunkToWrite, WrittenFile, chunk_name, write_data_file
+
+
+@dataclass
+class StagedState:
+    """One rank's contribution to a save: host chunks in plan order, and plain values."""
+
+    plan: LocalPlan
+    chunks: list[tuple[ShardedTensor, LocalShard]]
+    values: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(sh.data.size for _, sh in self.chunks)
+
+
+def stage(state_dict: Any, ctx: Coordinator) -> StagedState:
+    """Describe ``state_dict`` for saving (no copies of CPU tensors; device tensors come to host)."""
+    if not isinstance(state_dict, dict) and not hasattr(state_dict, "state_dict"):
+        raise StateDictError(f"the state dict must be a dict (or an object with state_dict()), got {type(state_dict).__name__}")
+    tensors, vals = [], {}
+    for fqn, kind, v in iter_leaves(state_dict):
+        if kind == TENSOR:
+            st = adapters.to_sharded(fqn, v, ctx, for_load=False)
+            for sh in st.shards:
+                check_shard_buffer(fqn, sh, st.dtype)
+            tensors.append(st)
+        else:
+            values_codec.encode(v, fqn)
+            vals[fqn] = v
+    plan, chunks = LocalPlan.build(tensors, list(vals))
+    return StagedState(plan, chunks, vals)
+
+
+@dataclass
+class SaveResult:
+    """What :func:`hyperdcp.save` returns on every rank."""
+
+    path: str
+    rank: int
+    world_size: int
+    bytes_written: int  # by this rank
+    files_written: list[str]
+    plan_cache_hit: bool
+    seconds: float
+    _metadata: Metadata | None = field(default=None, repr=False)
+
+    @property
+    def metadata(self) -> Metadata:
+        """The committed metadata (read from disk on ranks other than 0)."""
+        if self._metadata is None:
+            self._metadata = load_metadata(self.path)
+        return self._metadata
+
+
+def _write_assigned(tmp: str, rank: int, staged: StagedState, assignment: np.ndarray, opts: SaveOptions) -> bytes:
+    """Write this rank's assigned chunks into 1..files_per_rank data files; return the result message."""
+    todo = [staged.chunks[i] for i in assignment.tolist()]
+    if not todo:
+        return wire.pack({"files": []}, {"file": np.zeros(0, np.int64), "begin": np.zeros(0, np.int64), "end": np.zeros(0, np.int64)}) + b""
+    sizes = np.array([sh.data.size for _, sh in todo], dtype=np.int64)
+    nfiles = max(1, min(opts.files_per_rank, len(todo)))
+    cut = np.searchsorted(np.cumsum(sizes), np.arange(1, nfiles) * sizes.sum() / nfiles)
+    groups = [g for g in np.split(np.arange(len(todo)), cut) if len(g)]
+    jobs = []
+    for fi, g in enumerate(groups):
+        name = f"r{rank:05d}-{fi:02d}.safetensors"
+        chunks = []
+        for i in g.tolist():
+            st, sh = todo[i]
+            whole = sh.box.lengths == tuple(st.shape)
+            chunks.append(ChunkToWrite(chunk_name(st.fqn, sh.box.offsets, whole), st.dtype, sh.box.lengths, sh.data))
+        jobs.append((name, chunks))
+    if len(jobs) == 1:
+        written = [write_data_file(tmp, jobs[0][0], jobs[0][1], opts.checksum_block_bytes)]
+    else:
+        with ThreadPoolExecutor(len(jobs)) as ex:
+            written = list(ex.map(lambda j: write_data_file(tmp, j[0], j[1], opts.checksum_block_bytes), jobs))
+    fidx = np.concatenate([np.full(len(g), fi, np.int64) for fi, g in enumerate(groups)])
+    begin = np.concatenate([np.array(w.begin, np.int64) for w in written])
+    end = np.concatenate([np.array(w.end, np.int64) for w in written])
+    order = np.concatenate(groups)
+    inv = np.empty(len(order), np.int64)
+    inv[order] = np.arange(len(order))
+    sums = [s for w in written for s in w.checksums]
+    return wire.pack(
+        {"files": [[w.name, w.nbytes] for w in written], "checksums": [sums[i] for i in inv.tolist()]},
+        {"file": fidx[inv], "begin": begin[inv], "end": end[inv]},
+    )
+
+
+def build_metadata(plan: GlobalPlan, results: list[bytes], values: dict, opts: SaveOptions) -> Metadata:
+    """Join the global plan with every rank's write results into the checkpoint metadata."""
+    W = plan.world_size
+    files: list[FileMeta] = []
+    file_base = np.zeros(W, np.int64)
+    fl, bl, el, sums = [], [], [], []
+    for r, raw in enumerate(results):
+        head, arr = wire.unpack(raw)
+        file_base[r] = len(files)
+        files.extend(FileMeta(n, int(b)) for n, b in head["files"])
+        fl.append(arr["file"] + file_base[r])
+        bl.append(arr["begin"])
+        el.append(arr["end"])
+        sums.extend(head.get("checksums", []))
+    counts = np.array([len(x) for x in fl], np.int64)
+    rank_start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    gfile, gbegin, gend = (np.concatenate(x) if x else np.zeros(0, np.int64) for x in (fl, bl, el))
+    g = rank_start[plan.u_writer] + plan.u_slot
+    ranges = plan.tensor_ranges()
+    tensors = {}
+    for t, spec in enumerate(plan.tensors):
+        sl = slice(ranges[t], ranges[t + 1])
+        nd = len(spec.shape)
+        gi = g[sl]
+        tensors[spec.fqn] = TensorMeta(
+            spec.dtype,
+            spec.shape,
+            ChunkTable(
+                np.ascontiguousarray(plan.u_offsets[sl, :nd]),
+                np.ascontiguousarray(plan.u_lengths[sl, :nd]),
+                gfile[gi],
+                gbegin[gi],
+                gend[gi],
+                [sums[i] for i in gi.tolist()],
+            ),
+        )
+    return Metadata(
+        world_size=W,
+        files=files,
+        tensors=tensors,
+        values=values,
+        checksum_block_bytes=opts.checksum_block_bytes,
+        user=dict(opts.user_metadata),
+    )
+
+
+def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, opts: SaveOptions,
+            cache: PlanCache | None) -> SaveResult:
+    """Plan, write and commit one checkpoint. Every rank of ``coord`` calls it."""
+    t0 = time.perf_counter()
+    W, rank = coord.world_size, coord.rank
+    target = SaveTarget(path, overwrite=opts.overwrite) if rank == 0 else None
+
+    def fail_local():
+        if isinstance(staged, BaseException):
+            raise staged
+        return staged.plan.digest(W)
+
+    try:
+        digests = all_gather_checked(coord, "staging the state dict", fail_local)
+        assert isinstance(staged, StagedState)
+        key = PlanCache.key(digests)
+        cached = cache.get(key) if (cache is not None and opts.plan_cache) else None
+
+        def prepare() -> bytes:
+            tmp = target.prepare() if target is not None else ""
+            return (b"1" if cached is not None else b"0") + tmp.encode()
+
+        replies = all_gather_checked(coord, f"preparing the save to {path!r}", prepare)
+        tmp = replies[0][1:].decode()
+        hit = all(r[:1] == b"1" for r in replies)
+
+        gplan: GlobalPlan | None = None
+        if hit:
+            if rank == 0:
+                gplan = cached
+                assignment = gplan.assignments[0]
+            else:
+                assignment = cached
+        else:
+            gathered = coord.gather(staged.plan.to_bytes(), 0)
+            parts, exc = None, None
+            if rank == 0:
+                try:
+                    gplan = plan_global([LocalPlan.from_bytes(b) for b in gathered])
+                    parts = [pack_status(wire.pack({}, {"a": a}), None) for a in gplan.assignments]
+                except Exception as e:  # noqa: BLE001
+                    exc = e
+                    parts = [pack_status(None, e)] * W
+            msg = coord.scatter(parts, 0)
+            if exc is not None:
+                raise exc
+            assignment = wire.unpack(unpack_status(msg, coord, "global planning", 0))[1]["a"]
+            if cache is not None and opts.plan_cache:
+                cache.put(key, gplan if rank == 0 else assignment)
+
+        wexc, result = None, b""
+        try:
+            result = _write_assigned(tmp, rank, staged, assignment, opts)
+        except Exception as e:  # noqa: BLE001
+            wexc = e
+        results = coord.gather(pack_status(result, wexc), 0)
+
+        meta: Metadata | None = None
+
+        def commit() -> bytes:
+            nonlocal meta
+            bad = [r for r, m in enumerate(results) if m[:1] != b"\x00"]
+            if bad:
+                unpack_status(results[bad[0]], coord, f"writing data files of {path!r}", bad[0])
+            meta = build_metadata(gplan, [m[1:] for m in results], staged.values, opts)
+            target.commit(meta.to_json())
+            return b""
+
+        broadcast_checked(coord, f"committing {path!r}", commit if rank == 0 else None, 0, local=wexc)
+        if wexc is not None:
+            raise wexc
+    except BaseException:
+        if target is not None:
+            target.abort()
+        raise
+    finally:
+        if target is not None:
+            target.release()
+    mine = wire.unpack(result)[0]["files"] if result else []
+    return SaveResult(
+        path=os.path.abspath(os.fspath(path)),
+        rank=rank,
+        world_size=W,
+        bytes_written=sum(int(b) for _, b in mine),
+        files_written=[n for n, _ in mine],
+        plan_cache_hit=hit,
+        seconds=time.perf_counter() - t0,
+        _metadata=meta,
+    )

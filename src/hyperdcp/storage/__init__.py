@@ -1,0 +1,1 @@
+"""Storage: bytes to and from data files, checksums, and the crash-consistent commit."""
