@@ -39,7 +39,7 @@ class LoadOptions:
     #: threads issuing reads on each rank
     read_threads: int = 4
     #: read each stored byte once cluster-wide and send it to the ranks that need it
-    read_once: bool = True
+    read_once: bool = False
     #: bound on bytes buffered per read-once batch
     read_once_batch_bytes: int = 256 << 20
 

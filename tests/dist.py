@@ -1,0 +1,85 @@
+"""Run a function on N local CPU ranks (spawned processes, gloo) with a hard timeout.
+
+    results = run_ranks(4, fn, arg1, arg2, timeout=120)   # fn(rank, world_size, *args) -> picklable
+
+A rank that raises fails the call with its traceback; a run that exceeds ``timeout`` kills every rank
+and fails, so a hang can never block the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+import multiprocessing as mp
+
+import pytest
+
+
+def _entry(fn, rank, world, store_path, q, args, env):
+    os.environ.update(env)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+        try:
+            out = fn(rank, world, *args)
+            q.put((rank, True, out))
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+    except BaseException:  # noqa: BLE001
+        q.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(world: int, fn, *args, timeout: float = 120, env: dict | None = None):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    fd, store = tempfile.mkstemp(prefix="hyperdcp-store-")
+    os.close(fd)
+    os.unlink(store)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, store, q, args, dict(env or {})), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    import queue as _queue
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, ok, out = q.get(timeout=min(left, 1.0))
+            except _queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) and q.empty():
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results and r not in errors]
+                    if dead:
+                        time.sleep(0.5)
+                        if q.empty():
+                            for r in dead:
+                                errors[r] = f"rank {r} exited with code {procs[r].exitcode}"
+                continue
+            (results if ok else errors)[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        if os.path.exists(store):
+            os.unlink(store)
+    if errors:
+        first = min(errors)
+        pytest.fail(f"rank {first} failed:\n{errors[first]}", pytrace=False)
+    if len(results) < world:
+        missing = sorted(set(range(world)) - set(results))
+        pytest.fail(f"timed out after {timeout}s waiting for rank(s) {missing}", pytrace=False)
+    return [results[r] for r in range(world)]
