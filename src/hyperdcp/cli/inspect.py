@@ -1,0 +1,87 @@
+"""``hyperdcp inspect PATH``: what a checkpoint (hyperdcp or HuggingFace safetensors) holds."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "inspect", help="list the tensors of a checkpoint (hyperdcp or HuggingFace safetensors)",
+        description="Print one row per tensor (dtype, global shape, chunks, bytes, files), totals, the saving "
+        "world size and the format version. Reads only metadata and headers.",
+    )
+    p.add_argument("path", metavar="PATH", help="hyperdcp checkpoint, HF model directory or .safetensors file")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def describe(path: str) -> dict[str, Any]:
+    """The inspect report as a JSON-serialisable dict."""
+    from ..hf import HFMetadata, open_metadata
+
+    meta = open_metadata(path)
+    is_hf = isinstance(meta, HFMetadata)
+    tensors = []
+    for name in sorted(meta.tensors):
+        t = meta.tensors[name]
+        fids = sorted(set(int(f) for f in t.chunks.file.tolist()))
+        tensors.append({"name": name, "dtype": t.dtype, "shape": list(t.shape), "chunks": len(t.chunks),
+                        "bytes": t.nbytes, "files": [meta.files[i].name for i in fids]})
+    return {
+        "path": path,
+        "kind": "huggingface-safetensors" if is_hf else "hyperdcp",
+        "format_version": None if is_hf else meta.format_version,
+        "library_version": None if is_hf else meta.library_version,
+        "world_size": None if is_hf else meta.world_size,
+        "created_unix": None if is_hf else meta.created_unix,
+        "tensors": tensors,
+        "values": sorted(meta.values),
+        "totals": {"tensors": len(meta.tensors), "values": len(meta.values), "chunks": meta.num_chunks,
+                   "tensor_bytes": meta.tensor_bytes, "files": len(meta.files), "file_bytes": meta.data_file_bytes},
+        "user": meta.user,
+    }
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _files_cell(files: list[str]) -> str:
+    return ",".join(files) if len(files) <= 2 else f"{len(files)} files"
+
+
+def run(args) -> int:
+    rep = describe(args.path)
+    if args.json:
+        json.dump(rep, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    head = ("tensor", "dtype", "shape", "chunks", "bytes", "files")
+    rows = [(t["name"], t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]", str(t["chunks"]), str(t["bytes"]),
+             _files_cell(t["files"])) for t in rep["tensors"]]
+    w = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(head)]
+    right = {3, 4}
+    fmt = lambda r: "  ".join(c.rjust(w[i]) if i in right else c.ljust(w[i]) for i, c in enumerate(r)).rstrip()  # noqa: E731
+    out = [fmt(head), fmt(tuple("-" * x for x in w))] + [fmt(r) for r in rows]
+    tot = rep["totals"]
+    out.append("")
+    if rep["kind"] == "hyperdcp":
+        out.append(f"format: hyperdcp v{rep['format_version']} (written by hyperdcp {rep['library_version']}), "
+                   f"saved by {rep['world_size']} rank(s)")
+    else:
+        out.append("format: HuggingFace safetensors (no saving world size recorded)")
+    out.append(f"total: {tot['tensors']} tensors, {tot['tensor_bytes']} bytes ({_human(tot['tensor_bytes'])}), "
+               f"{tot['chunks']} chunks in {tot['files']} file(s) of {_human(tot['file_bytes'])}; "
+               f"{tot['values']} non-tensor value(s)")
+    if rep["values"]:
+        shown = ", ".join(rep["values"][:20]) + (" ..." if len(rep["values"]) > 20 else "")
+        out.append(f"values: {shown}")
+    print("\n".join(out))
+    return 0
