@@ -11,14 +11,19 @@ from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors
 from .format.metadata import Metadata
 from .loading import LoadResult
+from .manager import latest_checkpoint, list_checkpoints
 from .options import LoadOptions, SaveOptions
 from .saving import SaveResult
+from .verify import verify_checkpoint
 
 __all__ = [
     "__version__",
     "save",
     "load",
     "read_metadata",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "verify_checkpoint",
     "Metadata",
     "SaveOptions",
     "LoadOptions",

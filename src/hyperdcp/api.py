@@ -43,6 +43,7 @@ def save(state_dict: Any, path: str | os.PathLike, *, options: SaveOptions | Non
     """
     opts = resolve(SaveOptions, options, overrides)
     coord = coordinator or coordinator_for(opts.process_group, opts.timeout)
+    coord.arrive(f"save to {os.fspath(path)!r}")
     try:
         staged = stage(state_dict, coord)
     except Exception as e:  # noqa: BLE001 - reported on every rank by persist
@@ -60,6 +61,7 @@ def load(state_dict: Any, path: str | os.PathLike, *, options: LoadOptions | Non
     """
     opts = resolve(LoadOptions, options, overrides)
     coord = coordinator or coordinator_for(opts.process_group, opts.timeout)
+    coord.arrive(f"load of {os.fspath(path)!r}")
     return _load(state_dict, os.fspath(path), coord, opts)
 
 

@@ -68,6 +68,7 @@ def read_chunk(files: DataFiles, meta: Metadata, read: ChunkRead, verify: bool, 
     """
     t = meta.tensors[read.fqn]
     what = f"tensor {read.fqn!r} chunk {t.chunks.box(read.chunk)}"
+    files.fd(read.file)  # size and header checked against the file before any buffer is sized from the metadata
     direct = _direct_target(read, meta) if direct_ok and len(read.pieces) == 1 else None
     buf = direct if direct is not None else np.empty(read.nbytes, dtype=np.uint8)
     files.read_into(read.file, read.begin + read.lo, buf, what)

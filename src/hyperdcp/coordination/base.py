@@ -44,6 +44,10 @@ class Coordinator(ABC):
     def barrier(self) -> None:
         self.all_gather(b"")
 
+    def arrive(self, what: str) -> None:
+        """Wait for every rank to enter ``what`` (a save or load); raise CoordinationError naming the
+        ranks that did not arrive within the timeout. No-op where ranks cannot go missing."""
+
     @property
     def global_ranks(self) -> list[int]:
         """Global (world) rank of each group rank; identity unless a subgroup is used."""

@@ -7,6 +7,10 @@ take part) and reused for every later save and load.
 
 from __future__ import annotations
 
+import os
+import re
+import socket
+import threading
 from datetime import timedelta
 from typing import Sequence
 
@@ -14,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..errors import CoordinationError
 from .base import Coordinator
 
 _GLOO_TWINS: dict[tuple[str, float | None], object] = {}
@@ -49,14 +54,118 @@ def _t(data: bytes, size: int | None = None) -> torch.Tensor:
     return torch.from_numpy(buf)
 
 
+#: (hostname, pid) of every member of a gloo group, learnt at its first save/load (to name dead ranks)
+_PEERS: dict[int, list[tuple[str, int]]] = {}
+_RANKS_RE = re.compile(r"Ranks? ([0-9][0-9, ]*) failed to pass monitoredBarrier")
+
+
 class TorchCoordinator(Coordinator):
     def __init__(self, pg=None, timeout: float | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized")
-        self.group = gloo_group(pg, timeout)
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        self._global = dist.get_process_group_ranks(self.group)
+        self._base = pg if pg is not None else dist.group.WORLD
+        self._group = None  # the gloo group, created on first use (after arrive() when it is called)
+        self.rank = dist.get_rank(self._base)
+        self.world_size = dist.get_world_size(self._base)
+        self._global = dist.get_process_group_ranks(self._base)
+        self.timeout = timeout
+        self._what = "a collective"
+
+    @property
+    def group(self):
+        if self._group is None:
+            try:
+                self._group = gloo_group(self._base, self.timeout)
+            except (RuntimeError, OSError) as e:  # creating a group waits for every member
+                raise self._fail(e) from e
+        return self._group
+
+    # -- failures -------------------------------------------------------------------------------
+    def _dead_ranks(self) -> list[int]:
+        """Group ranks on this host whose process is gone (best effort; remote hosts are not probed)."""
+        peers = _PEERS.get(id(self._base)) or []
+        me = socket.gethostname()
+        dead = []
+        for r, (host, pid) in enumerate(peers):
+            if host == me and r != self.rank:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    dead.append(r)
+                except OSError:
+                    pass
+        return dead
+
+    def _fail(self, e: BaseException) -> CoordinationError:
+        dead = self._dead_ranks()
+        who = (f"rank(s) {', '.join(map(str, dead))} died" if dead else
+               "a rank died, stopped calling save/load or is stuck (it could not be identified)")
+        limit = f"{self.timeout:g} s" if self.timeout is not None else "the process group's timeout"
+        return CoordinationError(
+            f"{self._what} failed on rank {self.rank} of {self.world_size}: {who}; collective error: "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}. Every rank must call "
+            f"save/load with the same path; restart the job (timeout: {limit}, set with timeout=)"
+        )
+
+    def _call(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (RuntimeError, OSError) as e:  # gloo errors (DistBackendError, timeouts, closed peers)
+            raise self._fail(e) from e
+
+    def _barrier_with_deadline(self, group, kwargs) -> None:
+        """monitored_barrier, bounded: a non-zero rank waiting on a rank 0 that never comes can block past
+        gloo's timeout (until rank 0 exits), so the wait runs in a helper thread with its own deadline."""
+        if self.timeout is None:
+            dist.monitored_barrier(group=group, **kwargs)
+            return
+        done, err = threading.Event(), []
+
+        def run():
+            try:
+                dist.monitored_barrier(group=group, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                err.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="hyperdcp-arrive", daemon=True).start()
+        if not done.wait(self.timeout + max(1.0, 0.25 * self.timeout)):
+            raise TimeoutError("monitored barrier did not complete")
+        if err:
+            raise err[0]
+
+    def arrive(self, what: str) -> None:
+        """Wait until every rank has entered ``what``; name the ranks that did not within the timeout."""
+        self._what = what
+        if self.world_size == 1:
+            return
+        kwargs = {"wait_all_ranks": True}
+        if self.timeout is not None:
+            kwargs["timeout"] = timedelta(seconds=self.timeout)
+        # monitored_barrier needs gloo: the caller's group when it is gloo (so a missing rank is named
+        # before any new group is created, which would itself wait for every member), else the twin
+        barrier_group = self._base if _backend(self._base) == "gloo" else self.group
+        try:
+            self._barrier_with_deadline(barrier_group, kwargs)
+        except (RuntimeError, OSError, TimeoutError) as e:
+            m = _RANKS_RE.search(str(e))
+            missing = sorted({int(x) for x in re.findall(r"[0-9]+", m.group(1))}) if m else []
+            if not missing and self.rank != 0:
+                missing = [0]
+            dead = set(self._dead_ranks())
+            limit = f"{self.timeout:g} s" if self.timeout is not None else "the process group's timeout"
+            names = ", ".join(f"{r}{' (dead)' if r in dead else ''}" for r in missing) or "unknown"
+            raise CoordinationError(
+                f"{what}: rank(s) {names} of {self.world_size} did not arrive within {limit} (seen from rank "
+                f"{self.rank}); every rank must call it. Check that those ranks are alive and reach this call, "
+                "or raise timeout="
+            ) from e
+        if id(self._base) not in _PEERS:
+            me = f"{socket.gethostname()}\n{os.getpid()}".encode()
+            _PEERS[id(self._base)] = [
+                (h, int(p)) for h, p in (b.decode().split("\n") for b in self.all_gather(me))
+            ]
 
     @property
     def global_ranks(self) -> list[int]:
@@ -65,21 +174,21 @@ class TorchCoordinator(Coordinator):
     def _sizes(self, n: int) -> list[int]:
         mine = torch.tensor([n], dtype=torch.int64)
         out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(out, mine, group=self.group)
+        self._call(dist.all_gather, out, mine, group=self.group)
         return [int(t.item()) for t in out]
 
     def all_gather(self, data: bytes) -> list[bytes]:
         sizes = self._sizes(len(data))
         m = max(max(sizes), 1)
         out = [torch.empty(m, dtype=torch.uint8) for _ in range(self.world_size)]
-        dist.all_gather(out, _t(data, m), group=self.group)
+        self._call(dist.all_gather, out, _t(data, m), group=self.group)
         return [out[r].numpy()[: sizes[r]].tobytes() for r in range(self.world_size)]
 
     def gather(self, data: bytes, dst: int = 0) -> list[bytes] | None:
         sizes = self._sizes(len(data))
         m = max(max(sizes), 1)
         out = [torch.empty(m, dtype=torch.uint8) for _ in range(self.world_size)] if self.rank == dst else None
-        dist.gather(_t(data, m), out, dst=self._global[dst], group=self.group)
+        self._call(dist.gather, _t(data, m), out, dst=self._global[dst], group=self.group)
         if self.rank != dst:
             return None
         return [out[r].numpy()[: sizes[r]].tobytes() for r in range(self.world_size)]
@@ -91,17 +200,17 @@ class TorchCoordinator(Coordinator):
         if self.rank == src:
             framed = [_t(len(p).to_bytes(8, "little") + p, m) for p in parts]
         out = torch.empty(max(m, 1), dtype=torch.uint8)
-        dist.scatter(out, framed, src=self._global[src], group=self.group)
+        self._call(dist.scatter, out, framed, src=self._global[src], group=self.group)
         raw = out.numpy()
         n = int.from_bytes(raw[:8].tobytes(), "little")
         return raw[8 : 8 + n].tobytes()
 
     def broadcast(self, data: bytes | None, src: int = 0) -> bytes:
         size = torch.tensor([len(data) if self.rank == src else 0], dtype=torch.int64)
-        dist.broadcast(size, src=self._global[src], group=self.group)
+        self._call(dist.broadcast, size, src=self._global[src], group=self.group)
         n = int(size.item())
         buf = _t(data) if self.rank == src else torch.empty(max(n, 1), dtype=torch.uint8)
-        dist.broadcast(buf, src=self._global[src], group=self.group)
+        self._call(dist.broadcast, buf, src=self._global[src], group=self.group)
         return buf.numpy()[:n].tobytes()
 
 

@@ -17,11 +17,13 @@ import fcntl
 import os
 import secrets
 import shutil
+import stat
 
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    FormatError,
     IncompleteCheckpointError,
     StorageError,
 )
@@ -51,20 +53,31 @@ def read_metadata_bytes(path: str) -> bytes:
     """The raw commit record of the checkpoint at ``path``; clear errors when there is none."""
     path = os.fspath(path)
     if not os.path.exists(path):
+        if interrupted_saves(path):
+            raise IncompleteCheckpointError(
+                f"incomplete checkpoint at {path!r}: a save to it was interrupted before it committed (only its "
+                "temporary directory exists); load an earlier checkpoint, or save again to clean it up"
+            )
         raise CheckpointNotFoundError(f"no checkpoint at {path!r}: the path does not exist; check the path and step")
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"{path!r} is a file, not a checkpoint directory")
     meta = os.path.join(path, METADATA_FILE)
     try:
-        fd = os.open(meta, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        # O_NONBLOCK: a FIFO planted as the metadata file must not hang the open
+        fd = os.open(meta, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise IncompleteCheckpointError(
             f"incomplete checkpoint at {path!r}: it has no {METADATA_FILE} (the save did not finish or this is "
             "not a hyperdcp checkpoint); load an earlier checkpoint"
         ) from None
     except OSError as e:
+        if e.errno == errno.ELOOP or os.path.islink(meta):
+            raise FormatError(f"{meta} is a symbolic link; hyperdcp never follows links inside a checkpoint") from None
         raise StorageError(f"cannot open {meta}: {e.strerror or e}") from e
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FormatError(f"{meta} is not a regular file; the checkpoint is damaged")
         chunks = []
         while True:
             b = os.read(fd, 16 << 20)
@@ -74,6 +87,15 @@ def read_metadata_bytes(path: str) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def interrupted_saves(path: str) -> list[str]:
+    """Temporary directories left next to ``path`` by saves to it that never committed."""
+    parent, name = os.path.split(os.path.abspath(os.fspath(path)).rstrip(os.sep))
+    try:
+        return sorted(os.path.join(parent, e) for e in os.listdir(parent or ".") if e.startswith(f".{name}{_TMP}"))
+    except OSError:
+        return []
 
 
 def load_metadata(path: str) -> Metadata:

@@ -102,7 +102,10 @@ def read_header(fd: int, file_size: int, where: str) -> tuple[dict, int]:
     """Parse and validate a safetensors header; return (entries, data start). Never trusts sizes blindly."""
     if file_size < 8:
         raise FormatError(f"{where}: too short to be a safetensors file ({file_size} bytes)")
-    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    prefix = os.pread(fd, 8, 0)
+    if len(prefix) != 8:
+        raise CorruptionError(f"{where}: file truncated inside its header length")
+    (n,) = struct.unpack("<Q", prefix)
     if n > MAX_HEADER_BYTES or 8 + n > file_size:
         raise FormatError(f"{where}: declared header size {n} is larger than the file or the {MAX_HEADER_BYTES}-byte limit")
     raw = os.pread(fd, n, 8)
@@ -110,8 +113,8 @@ def read_header(fd: int, file_size: int, where: str) -> tuple[dict, int]:
         raise CorruptionError(f"{where}: file truncated inside its header")
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise FormatError(f"{where}: header is not valid JSON ({e})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise FormatError(f"{where}: header is not valid JSON ({type(e).__name__}: {e}); the file is damaged") from None
     if not isinstance(doc, dict):
         raise FormatError(f"{where}: header is not a JSON object")
     data_start = 8 + n

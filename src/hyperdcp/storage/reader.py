@@ -12,6 +12,7 @@ import threading
 
 from ..errors import CorruptionError, FormatError, StorageError
 from ..format.metadata import Metadata
+from .data_file import chunk_name, read_header
 
 
 class DataFiles:
@@ -22,6 +23,7 @@ class DataFiles:
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.reads = 0
+        self._by_file: dict[int, dict[str, tuple]] | None = None
 
     def path(self, fidx: int) -> str:
         return os.path.join(self.root, self.meta.files[fidx].name)
@@ -33,7 +35,9 @@ class DataFiles:
                 return fd
             path = self.path(fidx)
             try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+                # O_NONBLOCK: a FIFO planted under a data file's name must not hang the open
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+                             | getattr(os, "O_NONBLOCK", 0))
             except FileNotFoundError:
                 raise CorruptionError(f"data file {path} is missing; the checkpoint is damaged") from None
             except OSError as e:
@@ -50,8 +54,39 @@ class DataFiles:
                 raise CorruptionError(
                     f"data file {path} has {st.st_size} bytes but the metadata records {want} (truncated or replaced)"
                 )
+            try:
+                if getattr(self.meta, "has_checksums", True):  # hyperdcp-written files (not foreign sources)
+                    self._check_header(fidx, fd, path)
+            except BaseException:
+                os.close(fd)
+                raise
             self._fds[fidx] = fd
             return fd
+
+    def _check_header(self, fidx: int, fd: int, path: str) -> None:
+        """The file's safetensors header must describe exactly the chunks the metadata puts in it.
+
+        The header is not covered by the chunk checksums, so this is what turns a damaged header into
+        an error naming the file instead of a checkpoint that no longer opens with other tools.
+        """
+        entries, _ = read_header(fd, self.meta.files[fidx].nbytes, f"data file {path}")
+        if self._by_file is None:
+            by_file: dict[int, dict[str, tuple]] = {}
+            for fqn, t in self.meta.tensors.items():
+                c = t.chunks
+                for i in range(len(c)):
+                    box = c.box(i)
+                    name = chunk_name(fqn, box.offsets, box.lengths == tuple(t.shape))
+                    by_file.setdefault(int(c.file[i]), {})[name] = (t.dtype, box.lengths, int(c.begin[i]), int(c.end[i]))
+            self._by_file = by_file
+        want = self._by_file.get(fidx, {})
+        if entries != want:
+            bad = sorted(k for k in set(entries) | set(want) if entries.get(k) != want.get(k))
+            raise CorruptionError(
+                f"data file {path}: its safetensors header does not match the metadata (entry {bad[0]!r} "
+                f"differs{'' if len(bad) == 1 else f', and {len(bad) - 1} more'}); the file is corrupted or was "
+                "replaced; restore it or load another checkpoint"
+            )
 
     def read_into(self, fidx: int, offset: int, out, what: str = "") -> None:
         """Fill ``out`` (a writable bytes-like) from ``offset``; a short read is corruption."""

@@ -1,0 +1,51 @@
+"""Finding the newest complete checkpoint under a root directory.
+
+    path = hyperdcp.latest_checkpoint("ckpt")   # e.g. "ckpt/step-300", or None
+
+A checkpoint counts only when its commit record (``hyperdcp.json``) is present and valid: interrupted
+saves (temporary ``.<name>.hyperdcp-tmp-*`` directories, directories without metadata, damaged
+metadata) are never picked. "Newest" is the largest step number in the name (the last integer in it,
+e.g. ``step-300``, ``ckpt_0300``), ties and unnumbered names broken by the commit time recorded in the
+metadata.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from .errors import CheckpointError, CheckpointNotFoundError
+from .storage.commit import load_metadata
+
+_NUM = re.compile(r"(\d+)(?!.*\d)")
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[str]:
+    """Paths of the complete checkpoints directly under ``root``, oldest first."""
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(f"{root!r} is not a directory; pass the directory that holds the checkpoints")
+    found = []
+    for name in os.listdir(root):
+        if name.startswith("."):  # temporary, old and lock entries of in-flight or interrupted saves
+            continue
+        p = os.path.join(root, name)
+        if not os.path.isdir(p) or os.path.islink(p):
+            continue
+        try:
+            meta = load_metadata(p)
+        except CheckpointError:
+            continue
+        m = _NUM.search(name)
+        found.append((int(m.group(1)) if m else -1, meta.created_unix, name, p))
+    found.sort()
+    return [p for *_, p in found]
+
+
+def latest_checkpoint(root: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint directly under ``root``, or None when there is none."""
+    cps = list_checkpoints(root)
+    return cps[-1] if cps else None
+
+
+__all__ = ["latest_checkpoint", "list_checkpoints"]
