@@ -1,0 +1,320 @@
+"""The long-lived persist process of one rank, and its command protocol.
+
+The training process starts it once (a fresh interpreter, ``python -m hyperdcp.async_save._child``:
+nothing is forked from a process holding CUDA/NCCL state, and the user's ``__main__`` is not re-run) and
+talks to it over a socket pair with :class:`multiprocessing.connection.Connection`. Messages are plain
+dicts of str/int/float/bytes/lists; tensor bytes never travel through the pipe: they are read from the
+shared-memory staging area.
+
+Commands (parent -> child): ``{"op": "save", ...}`` (fields documented in :func:`_save`) and
+``{"op": "stop"}``. Replies (child -> parent): ``{"ok": True, "result": {...}, "cache": [...]}`` or
+``{"ok": False, "type", "module", "message", "traceback", "rank_errors"}``.
+
+The child exits when its parent disappears (a watchdog thread), so a killed training process never
+leaves persist processes behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+# --------------------------------------------------------------------------------------------
+# child side
+# --------------------------------------------------------------------------------------------
+_STATE: dict[str, Any] = {"pg_prefix": None, "area": None, "cache": None, "known": set()}
+
+
+def _gloo_coordinator(msg: dict):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ..coordination.torch_dist import TorchCoordinator
+
+    if _STATE["pg_prefix"] is None:
+        timeout = timedelta(seconds=float(msg.get("timeout") or 600))
+        store = dist.TCPStore(msg["host"], int(msg["port"]), is_master=False, timeout=timeout)
+        store = dist.PrefixStore(msg["rdzv_prefix"], store)
+        dist.init_process_group("gloo", store=store, rank=msg["rank"], world_size=msg["world_size"], timeout=timeout)
+        _STATE["pg_prefix"] = msg["rdzv_prefix"]
+    return TorchCoordinator()
+
+
+def _area(path: str, nbytes: int):
+    from .staging import ShmArea
+
+    cur = _STATE["area"]
+    if cur is not None and (cur.path, cur.nbytes) == (path, max(nbytes, 1)):
+        return cur
+    if cur is not None:
+        cur.close()
+    _STATE["area"] = ShmArea(nbytes, path=path, readonly=True)
+    return _STATE["area"]
+
+
+def _staged(msg: dict):
+    from ..core.boxes import Box
+    from ..core.shards import LocalShard, ShardedTensor
+    from ..format import values as values_codec
+    from ..planning.save_plan import LocalPlan
+    from ..saving import StagedState
+
+    plan = LocalPlan.from_bytes(msg["plan"])
+    area = _area(msg["shm_path"], msg["shm_bytes"])
+    offs = np.frombuffer(msg["offsets"], np.int64)
+    sizes = np.frombuffer(msg["sizes"], np.int64)
+    sts = [ShardedTensor(t.fqn, t.dtype, t.shape) for t in plan.tensors]
+    chunks = []
+    arr = area.array
+    for i in range(len(plan.tidx)):
+        st = sts[int(plan.tidx[i])]
+        nd = len(st.shape)
+        box = Box(tuple(int(x) for x in plan.offsets[i, :nd]), tuple(int(x) for x in plan.lengths[i, :nd]))
+        chunks.append((st, LocalShard(box, arr[int(offs[i]) : int(offs[i]) + int(sizes[i])])))
+    values = {k: values_codec.decode(v, f"value {k!r}") for k, v in msg["values"].items()}
+    return StagedState(plan, chunks, values)
+
+
+def _inject(fault: dict | None, rank: int) -> None:
+    """Test hook: make this rank's persist step fail or stall (``fault`` comes from the test)."""
+    if not fault or int(fault.get("rank", -1)) != rank:
+        return
+    from .. import saving
+
+    orig = saving._write_assigned
+    kind = fault.get("kind")
+
+    def faulty(*a, **k):
+        if kind == "raise":
+            raise RuntimeError(fault.get("message", "injected persist fault"))
+        if kind == "stall":
+            time.sleep(float(fault.get("seconds", 60)))
+        return orig(*a, **k)
+
+    saving._write_assigned = faulty
+    _STATE["restore"] = (saving, orig)
+
+
+def _cleanup_exchange(root: str, world_size: int, keep: str | None) -> None:
+    """Remove exchange directories of earlier saves that every rank has finished with."""
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return
+    for e in entries:
+        d = os.path.join(root, e)
+        if d == keep:
+            continue
+        try:
+            done = sum(1 for x in os.listdir(d) if x.startswith("done-"))
+        except OSError:
+            continue
+        if done >= world_size or any(x.startswith("abort-") for x in os.listdir(d)):
+            shutil.rmtree(d, ignore_errors=True)
+    try:
+        os.rmdir(root)
+    except OSError:
+        pass
+
+
+def _save(msg: dict) -> dict:
+    """Fields: path, rank, world_size, mode ("gloo"|"file"|"none"|"local"), options (SaveOptions fields),
+    plan (LocalPlan bytes), shm_path, shm_bytes, offsets, sizes (int64 bytes), values (encoded), cache
+    (entries to seed), plus per mode: host/port/rdzv_prefix/timeout (gloo), exchange_dir (file),
+    mine/save_id (none); fault (tests only)."""
+    from ..coordination.base import LocalCoordinator
+    from ..options import SaveOptions
+    from ..planning.save_plan import GlobalPlan, PlanCache
+    from ..saving import persist
+    from .file_coordination import FileCoordinator
+    from .rank_files import persist_alone
+
+    if _STATE["cache"] is None:
+        _STATE["cache"] = PlanCache()
+    cache: PlanCache = _STATE["cache"]
+    known: set = _STATE["known"]
+    for key, kind, raw in msg.get("cache", []):
+        if key not in known:
+            cache.put(key, GlobalPlan.from_bytes(raw) if kind == "plan" else np.frombuffer(raw, np.int64).copy())
+            known.add(key)
+    opts = SaveOptions(**msg["options"])
+    if "stage_error" in msg:
+        from ..errors import StateDictError
+
+        staged = StateDictError(f"staging on rank {msg['rank']} failed: {msg['stage_error']}")
+    else:
+        staged = _staged(msg)
+    rank, W, mode = msg["rank"], msg["world_size"], msg["mode"]
+    _inject(msg.get("fault"), rank)
+    try:
+        if mode == "none":
+            res = persist_alone(msg["path"], rank, W, staged, np.frombuffer(msg["mine"], np.int64), msg["values"],
+                                opts, msg["save_id"])
+        else:
+            if mode == "gloo":
+                coord = _gloo_coordinator(msg)
+            elif mode == "file":
+                coord = FileCoordinator(msg["exchange_dir"], rank, W, float(msg.get("timeout") or 600))
+                if rank == 0:
+                    _cleanup_exchange(os.path.dirname(msg["exchange_dir"]), W, msg["exchange_dir"])
+            else:
+                coord = LocalCoordinator()
+            res = persist(coord, staged, msg["path"], opts, cache)
+            if mode == "file":
+                with open(os.path.join(msg["exchange_dir"], f"done-{rank}"), "wb"):
+                    pass
+    finally:
+        restore = _STATE.pop("restore", None)
+        if restore is not None:
+            setattr(restore[0], "_write_assigned", restore[1])
+    back = []
+    for key, val in cache.items():
+        if key not in known:
+            known.add(key)
+            if isinstance(val, GlobalPlan):
+                back.append((key, "plan", val.to_bytes()))
+            else:
+                back.append((key, "assign", np.ascontiguousarray(val, np.int64).tobytes()))
+    return {
+        "result": {"path": res.path, "rank": res.rank, "world_size": res.world_size, "bytes_written": res.bytes_written,
+                   "files_written": list(res.files_written), "plan_cache_hit": res.plan_cache_hit, "seconds": res.seconds},
+        "cache": back,
+    }
+
+
+def _error_reply(e: BaseException) -> dict:
+    return {
+        "ok": False, "type": type(e).__qualname__, "module": type(e).__module__, "message": str(e),
+        "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+        "rank_errors": dict(getattr(e, "rank_errors", {}) or {}),
+    }
+
+
+def _watch_parent(ppid: int) -> None:
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != ppid:
+            os._exit(3)
+
+
+def main(fd: int) -> None:
+    conn = Connection(fd)
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            break
+        op = msg.get("op")
+        if op == "stop":
+            break
+        if op == "save":
+            try:
+                reply = {"ok": True, **_save(msg)}
+            except BaseException as e:  # noqa: BLE001 - everything goes back to the training process
+                reply = _error_reply(e)
+            try:
+                conn.send(reply)
+            except (OSError, EOFError):
+                break
+    if _STATE["pg_prefix"] is not None:
+        try:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+    if _STATE["area"] is not None:
+        _STATE["area"].close()
+    os._exit(0)
+
+
+# --------------------------------------------------------------------------------------------
+# parent side
+# --------------------------------------------------------------------------------------------
+class PersistWorker:
+    """Handle on one persist process, owned by a training process."""
+
+    def __init__(self, rank: int, started_at_seq: int):
+        import socket
+
+        self.rank = rank
+        self.started_at_seq = started_at_seq
+        a, b = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hyperdcp.async_save._child", str(b.fileno())],
+                pass_fds=[b.fileno()], env=env, close_fds=True,
+            )
+        finally:
+            b.close()
+        self.conn = Connection(a.detach())
+        self.lock = threading.Lock()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def exit_description(self) -> str:
+        code = self.proc.poll()
+        if code is None:
+            return "is still running"
+        if code < 0:
+            import signal
+
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = str(-code)
+            return f"was killed by signal {name}"
+        return f"exited with code {code}"
+
+    def request(self, msg: dict, poll: float = 0.2) -> dict:
+        """Send one command and wait for its reply; raise EOFError if the process dies first."""
+        with self.lock:
+            self.conn.send(msg)
+            while True:
+                if self.conn.poll(poll):
+                    return self.conn.recv()  # EOFError if the child closed the socket by dying
+                if not self.alive():
+                    if self.conn.poll(0):
+                        return self.conn.recv()
+                    raise EOFError(self.exit_description())
+
+    def stop(self, timeout: float = 10.0) -> None:
+        try:
+            if self.alive():
+                self.conn.send({"op": "stop"})
+                self.proc.wait(timeout=timeout)
+        except Exception:  # noqa: BLE001
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            try:
+                self.proc.wait(timeout=10)
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+

@@ -1,0 +1,166 @@
+"""The no-collectives mode: each rank writes its own data files and a rank metadata file.
+
+``<path>/hyperdcp.rank-<rank:05d>.json`` is written last by its rank (temporary name, fsync, rename,
+directory fsync), after that rank's data files are durable. The checkpoint counts as complete when the
+rank files of every rank ``0..world_size-1`` exist and carry the same ``save_id``; :func:`merge` then
+joins them into ordinary metadata (see the "Async save, no-collectives mode" section of docs/FORMAT.md).
+:func:`finalize` writes that merged metadata as ``hyperdcp.json``, turning the directory into an
+ordinary checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+from ..coordination import wire
+from ..errors import CheckpointExistsError, FormatError, IncompleteCheckpointError, StorageError
+from ..format.metadata import METADATA_FILE, ChunkTable, FileMeta, Metadata, TensorMeta
+from ..format import values as values_codec
+from ..options import SaveOptions
+from ..saving import SaveResult, StagedState, _write_assigned
+from ..storage.commit import fsync_dir
+
+RANK_FORMAT = "hyperdcp-rank"
+PREFIX, SUFFIX = "hyperdcp.rank-", ".json"
+
+
+def rank_file(path: str, rank: int) -> str:
+    return os.path.join(path, f"{PREFIX}{rank:05d}{SUFFIX}")
+
+
+def persist_alone(path: str, rank: int, world_size: int, staged: StagedState, mine: np.ndarray,
+                  values_encoded: dict, opts: SaveOptions, save_id: str) -> SaveResult:
+    """Write this rank's share of a checkpoint with no communication at all."""
+    t0 = time.perf_counter()
+    path = os.path.abspath(path)
+    mine_file = rank_file(path, rank)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise StorageError(f"cannot save to {path!r}: it is an existing file; choose a directory path")
+    os.makedirs(path, exist_ok=True)
+    existing = os.path.exists(os.path.join(path, METADATA_FILE)) or os.path.exists(mine_file)
+    if existing and not opts.overwrite:
+        raise CheckpointExistsError(
+            f"rank {rank}: a checkpoint already exists at {path!r}; pass overwrite=True (in the no-collectives mode "
+            "the old checkpoint is not loadable while it is rewritten) or save to a new path"
+        )
+    if existing:
+        for e in os.listdir(path):
+            if e == os.path.basename(mine_file) or e.startswith(f"r{rank:05d}-") or (rank == 0 and e == METADATA_FILE):
+                os.unlink(os.path.join(path, e))
+    result = _write_assigned(path, rank, staged, mine, opts)
+    head, arr = wire.unpack(result)
+    tensors: dict = {}
+    for j, i in enumerate(mine.tolist()):
+        st, sh = staged.chunks[i]
+        t = tensors.setdefault(st.fqn, {"dtype": st.dtype, "shape": list(st.shape), "offsets": [], "lengths": [],
+                                        "file": [], "begin": [], "end": [], "checksums": []})
+        t["offsets"].append(list(sh.box.offsets))
+        t["lengths"].append(list(sh.box.lengths))
+        t["file"].append(int(arr["file"][j]))
+        t["begin"].append(int(arr["begin"][j]))
+        t["end"].append(int(arr["end"][j]))
+        t["checksums"].append(head["checksums"][j])
+    doc = {
+        "format": RANK_FORMAT, "version": 1, "save_id": save_id, "rank": rank, "world_size": world_size,
+        "checksum_block_bytes": opts.checksum_block_bytes, "files": head["files"], "tensors": tensors,
+        "all_tensors": [[t.fqn, t.dtype, list(t.shape)] for t in staged.plan.tensors],
+        "values": values_encoded if rank == 0 else {}, "user": dict(opts.user_metadata), "created_unix": time.time(),
+    }
+    tmp = mine_file + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(json.dumps(doc, separators=(",", ":")).encode())
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, mine_file)
+    fsync_dir(path)
+    return SaveResult(path, rank, world_size, sum(int(b) for _, b in head["files"]), [n for n, _ in head["files"]],
+                      False, time.perf_counter() - t0)
+
+
+def has_rank_files(path: str) -> bool:
+    try:
+        return any(e.startswith(PREFIX) and e.endswith(SUFFIX) for e in os.listdir(path))
+    except OSError:
+        return False
+
+
+def merge(path: str) -> Metadata:
+    """Join every rank file of ``path`` into one :class:`Metadata`; raise if the checkpoint is incomplete."""
+    docs: dict[int, dict] = {}
+    for e in sorted(os.listdir(path)):
+        if not (e.startswith(PREFIX) and e.endswith(SUFFIX)):
+            continue
+        where = os.path.join(path, e)
+        try:
+            with open(where, "rb") as f:
+                d = json.loads(f.read())
+            if d.get("format") != RANK_FORMAT:
+                raise ValueError("not a hyperdcp rank file")
+            docs[int(d["rank"])] = d
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise FormatError(f"{where}: unreadable rank metadata ({err}); the rank file is damaged") from None
+    if not docs:
+        raise IncompleteCheckpointError(f"incomplete checkpoint at {path!r}: no {METADATA_FILE} and no rank files")
+    W = int(docs[min(docs)]["world_size"])
+    ids = {d["save_id"] for d in docs.values()}
+    missing = sorted(set(range(W)) - set(docs))
+    if missing or len(ids) != 1 or any(int(d["world_size"]) != W for d in docs.values()):
+        why = (f"rank file(s) of rank(s) {missing[:16]} of {W} are missing (those ranks' saves did not finish)"
+               if missing else "rank files come from different saves")
+        raise IncompleteCheckpointError(
+            f"incomplete checkpoint at {path!r} (no-collectives mode): {why}; load an earlier checkpoint"
+        )
+    files: list[FileMeta] = []
+    acc: dict[str, dict] = {}
+    block = int(docs[0]["checksum_block_bytes"])
+    for r in range(W):
+        d = docs[r]
+        base = len(files)
+        files.extend(FileMeta(n, int(b)) for n, b in d["files"])
+        for fqn, dtype, shape in d.get("all_tensors", []):
+            acc.setdefault(fqn, {"dtype": dtype, "shape": tuple(shape), "rows": {}})
+        for fqn, t in d["tensors"].items():
+            a = acc.setdefault(fqn, {"dtype": t["dtype"], "shape": tuple(t["shape"]), "rows": {}})
+            for k in range(len(t["begin"])):
+                box = (tuple(t["offsets"][k]), tuple(t["lengths"][k]))
+                a["rows"].setdefault(box, (t["file"][k] + base, t["begin"][k], t["end"][k], t["checksums"][k]))
+    tensors = {}
+    for fqn, a in sorted(acc.items()):
+        rows = sorted(a["rows"].items())
+        nd = len(a["shape"])
+        tensors[fqn] = TensorMeta(a["dtype"], a["shape"], ChunkTable(
+            np.array([b[0] for b, _ in rows], np.int64).reshape(len(rows), nd),
+            np.array([b[1] for b, _ in rows], np.int64).reshape(len(rows), nd),
+            np.array([v[0] for _, v in rows], np.int64), np.array([v[1] for _, v in rows], np.int64),
+            np.array([v[2] for _, v in rows], np.int64), [v[3] for _, v in rows],
+        ))
+    values = {k: values_codec.decode(v, f"{path}: value {k!r}") for k, v in docs[0]["values"].items()}
+    meta = Metadata(world_size=W, files=files, tensors=tensors, values=values, checksum_block_bytes=block,
+                    user=dict(docs[0].get("user", {})), created_unix=float(docs[0].get("created_unix", time.time())))
+    # validate like a committed checkpoint (every tensor tiled exactly, files named properly)
+    return Metadata.from_json(meta.to_json(), where=f"{path} (merged rank files)")
+
+
+def merged_metadata_bytes(path: str) -> bytes | None:
+    """The merged metadata of a no-collectives checkpoint, or None if ``path`` has no rank files."""
+    if not has_rank_files(path):
+        return None
+    return merge(path).to_json()
+
+
+def finalize(path: str) -> Metadata:
+    """Write the merged metadata of a complete no-collectives checkpoint as its ``hyperdcp.json``."""
+    meta = merge(path)
+    final = os.path.join(path, METADATA_FILE)
+    tmp = final + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(meta.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, final)
+    fsync_dir(path)
+    return meta

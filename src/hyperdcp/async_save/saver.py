@@ -1,0 +1,303 @@
+"""``async_save``: stage in the training process, persist in a long-lived process per rank.
+
+Coordination modes of the persist processes (``coordination=``):
+
+* ``"gloo"`` (default): the persist processes form their own CPU gloo group (rendezvous through a
+  TCPStore served by the rank-0 training process at ``MASTER_ADDR`` or 127.0.0.1). Fastest exchanges;
+  needs TCP between the hosts, like the training job itself.
+* ``"file"``: exchanges go through files in a shared directory (default: a hidden directory next to
+  the checkpoint; ``exchange_dir=`` to choose). No network beyond the shared file system; each
+  exchange costs file-system latency (milliseconds to seconds on network file systems).
+* ``"none"``: no cross-rank step at all; each rank writes its data files and a rank metadata file;
+  :func:`hyperdcp.load` merges them. Use when ranks cannot talk after staging (or to avoid any
+  straggler coupling); the checkpoint is complete only once every rank's file exists, and there is no
+  atomic overwrite.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import sys
+import threading
+import time
+from typing import Any
+
+from ..coordination.base import Coordinator, broadcast_checked
+from ..errors import CheckpointError, RemoteRankError
+from ..options import SaveOptions, resolve
+from ..saving import SaveResult
+from .file_coordination import write_abort
+from .future import (AsyncSaveError, PersistProcessDiedError, RemoteTraceback, SaveFuture, SaveInProgressError)
+from .persist_process import PersistWorker
+from .staging import Stager, writers_alone
+
+MODES = ("gloo", "file", "none")
+DEFAULT_MODE = "gloo"
+#: test hook: a fault dict sent to the persist processes with the next saves (see persist_process._inject)
+TEST_FAULT: dict | None = None
+
+_OPTION_FIELDS = ("overwrite", "timeout", "checksum_block_bytes", "files_per_rank", "plan_cache", "user_metadata")
+
+
+def _plan_cache():
+    from ..api import DEFAULT_PLAN_CACHE
+
+    return DEFAULT_PLAN_CACHE
+
+
+class _Session:
+    """The async-save state of one training process for one group of ranks and one mode."""
+
+    def __init__(self, coord: Coordinator, mode: str):
+        self.coord, self.mode = coord, mode
+        self.rank, self.world_size = coord.rank, coord.world_size
+        self.stager = Stager()
+        self.seq = 0
+        self.worker: PersistWorker | None = None
+        self.restart = False
+        self.inflight: SaveFuture | None = None
+        self.sent_keys: set = set()
+        self.store = None
+        self.token, self.host, self.port = self._rendezvous()
+
+    def _rendezvous(self) -> tuple[str, str, int]:
+        """Once per session: agree on a session token (and the gloo store address) via the parent group."""
+        def make() -> bytes:
+            host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), 0
+            if self.mode == "gloo" and self.world_size > 1:
+                import datetime
+
+                import torch.distributed as dist
+
+                self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                           timeout=datetime.timedelta(seconds=600))
+                port = int(self.store.port)
+            return json.dumps({"token": secrets.token_hex(8), "host": host, "port": port}).encode()
+
+        if self.world_size == 1:
+            doc = json.loads(make())
+        else:
+            doc = json.loads(broadcast_checked(self.coord, "starting async-save persist processes", make if self.rank == 0 else None, 0))
+        return doc["token"], doc["host"], int(doc["port"])
+
+    # ----------------------------------------------------------------------------------------
+    def _worker(self, seq: int) -> PersistWorker:
+        w = self.worker
+        if w is not None and (self.restart or not w.alive()):
+            w.kill()
+            w = None
+        if w is None:
+            w = self.worker = PersistWorker(self.rank, seq)
+            self.restart = False
+        return w
+
+    def _cache_entries(self) -> list:
+        from ..planning.save_plan import GlobalPlan
+
+        out = []
+        for key, val in _plan_cache().items():
+            if key in self.sent_keys:
+                continue
+            self.sent_keys.add(key)
+            if isinstance(val, GlobalPlan):
+                out.append((key, "plan", val.to_bytes()))
+            else:
+                import numpy as np
+
+                out.append((key, "assign", np.ascontiguousarray(val, np.int64).tobytes()))
+        return out
+
+    def save(self, state_dict: Any, path: str, opts: SaveOptions, wait: bool, exchange_dir: str | None) -> SaveFuture:
+        t0 = time.perf_counter()
+        prev = self.inflight
+        if prev is not None and not prev.done():
+            if not wait:
+                raise SaveInProgressError(
+                    f"rank {self.rank}: an async save to {prev.path!r} is still in flight; call its result() first, or "
+                    "pass wait=True to wait for it"
+                )
+            prev.wait()
+        path = os.path.abspath(os.fspath(path))
+        seq = self.seq
+        self.seq += 1
+        stage_error: BaseException | None = None
+        try:
+            copy = self.stager.stage(state_dict, self.coord)
+        except Exception as e:  # noqa: BLE001 - the other ranks must learn of it too
+            stage_error, copy = e, None
+        worker = self._worker(seq)
+        mode = self.mode if (self.world_size > 1 or self.mode == "none") else "local"
+        parent, name = os.path.split(path.rstrip(os.sep))
+        xdir = None
+        if mode == "file":
+            root = exchange_dir or os.path.join(parent, f".hyperdcp-xchg-{self.token}")
+            xdir = os.path.join(os.path.abspath(root), f"{seq:08d}")
+        msg: dict[str, Any] = {
+            "op": "save", "path": path, "rank": self.rank, "world_size": self.world_size, "mode": mode,
+            "options": {f: getattr(opts, f) for f in _OPTION_FIELDS}, "cache": self._cache_entries(),
+            "timeout": opts.timeout, "host": self.host, "port": self.port,
+            "rdzv_prefix": f"hyperdcp-persist/{self.token}/{worker.started_at_seq}", "exchange_dir": xdir,
+            "save_id": f"{self.token}-{seq}", "fault": TEST_FAULT,
+        }
+        if copy is not None:
+            lay = copy.layout
+            msg.update(plan=lay.plan.to_bytes(), shm_path=copy.area.path, shm_bytes=copy.area.nbytes,
+                       offsets=lay.offsets.tobytes(), sizes=lay.sizes.tobytes(), values=copy.values)
+            if mode == "none":
+                msg["mine"] = writers_alone(lay, copy.replicas, self.rank, self.world_size).tobytes()
+        else:
+            msg["stage_error"] = f"{type(stage_error).__name__}: {stage_error}"
+        fut = SaveFuture(path, self.rank, seq, 0.0, bool(copy and copy.first))
+        fut.worker_pid = worker.pid
+        self.inflight = fut
+        if stage_error is not None and mode == "none":
+            fut._finish(None, stage_error)
+            raise stage_error
+        threading.Thread(target=self._run, args=(worker, msg, fut, xdir), name=f"hyperdcp-async-save-{seq}",
+                         daemon=True).start()
+        fut.blocking_seconds = time.perf_counter() - t0
+        if stage_error is not None:
+            raise stage_error
+        return fut
+
+    def _run(self, worker: PersistWorker, msg: dict, fut: SaveFuture, xdir: str | None) -> None:
+        try:
+            reply = worker.request(msg)
+        except (EOFError, OSError) as e:
+            err = PersistProcessDiedError(
+                f"the persist process of rank {self.rank} (pid {worker.pid}) {worker.exit_description()} while saving "
+                f"{fut.path!r}; that checkpoint was not committed (a previous checkpoint at that path is intact); "
+                "the next async_save starts a new persist process"
+            )
+            if xdir:
+                write_abort(xdir, self.rank, str(err))
+            self.restart = True
+            fut._finish(None, err)
+            return
+        except BaseException as e:  # noqa: BLE001
+            self.restart = True
+            fut._finish(None, AsyncSaveError(f"rank {self.rank}: sending the save of {fut.path!r} failed: {e}"))
+            return
+        if reply.get("ok"):
+            self._absorb_cache(reply.get("cache", []))
+            fut._finish(SaveResult(**reply["result"]), None)
+            return
+        if self.mode == "gloo":
+            self.restart = True  # the persist group may be unusable after a failed collective
+        fut._finish(None, _rebuild(reply, self.rank, fut.path))
+
+    def _absorb_cache(self, entries: list) -> None:
+        import numpy as np
+
+        from ..planning.save_plan import GlobalPlan
+
+        cache = _plan_cache()
+        for key, kind, raw in entries:
+            cache.put(key, GlobalPlan.from_bytes(raw) if kind == "plan" else np.frombuffer(raw, np.int64).copy())
+            self.sent_keys.add(key)
+
+    def close(self, timeout: float | None = 600.0, report: bool = True) -> None:
+        fut = self.inflight
+        if fut is not None and not fut.done():
+            if report:
+                print(f"hyperdcp: rank {self.rank}: waiting for the async save to {fut.path!r} to finish before exit",
+                      file=sys.stderr)
+            if not fut.wait(timeout) and report:
+                print(f"hyperdcp: rank {self.rank}: the async save to {fut.path!r} did not finish within {timeout}s; "
+                      "it is not committed", file=sys.stderr)
+        if fut is not None and fut.done() and fut._exc is not None and report and not getattr(fut, "_reported", True):
+            print(f"hyperdcp: rank {self.rank}: the async save to {fut.path!r} failed: {fut._exc}", file=sys.stderr)
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
+        self.stager.release()
+        self.store = None
+
+
+def _rebuild(reply: dict, rank: int, path: str) -> BaseException:
+    """The persist process's exception, rebuilt in the training process (no pickle)."""
+    from .. import errors as E
+    from . import future as F
+
+    cls = None
+    if reply["module"] == E.__name__:
+        cls = getattr(E, reply["type"], None)
+    elif reply["module"] == F.__name__:
+        cls = getattr(F, reply["type"], None)
+    exc: BaseException | None = None
+    if cls is RemoteRankError:
+        exc = RemoteRankError(reply["message"], {int(k): v for k, v in reply.get("rank_errors", {}).items()})
+    elif isinstance(cls, type) and issubclass(cls, CheckpointError):
+        try:
+            exc = cls(reply["message"])
+        except Exception:  # noqa: BLE001
+            exc = None
+    if exc is None:
+        exc = AsyncSaveError(
+            f"async save to {path!r} failed in the persist process of rank {rank}: {reply['type']}: {reply['message']}"
+        )
+    exc.remote_traceback = reply["traceback"]  # type: ignore[attr-defined]
+    exc.original_type = f"{reply['module']}.{reply['type']}"  # type: ignore[attr-defined]
+    exc.__cause__ = RemoteTraceback(reply["traceback"])
+    return exc
+
+
+_SESSIONS: dict[tuple, _Session] = {}
+_LOCK = threading.Lock()
+_ATEXIT = False
+
+
+def _at_exit() -> None:
+    for key in list(_SESSIONS):
+        s = _SESSIONS.pop(key)
+        try:
+            s.close()
+        except Exception as e:  # noqa: BLE001
+            print(f"hyperdcp: closing async save state failed: {e}", file=sys.stderr)
+
+
+def shutdown(timeout: float | None = 600.0) -> None:
+    """Finish any in-flight async save and stop this process's persist processes (also done at exit)."""
+    for key in list(_SESSIONS):
+        _SESSIONS.pop(key).close(timeout)
+
+
+def current_session() -> _Session | None:
+    """The most recently used session of this process (diagnostics and tests)."""
+    return next(reversed(_SESSIONS.values()), None) if _SESSIONS else None
+
+
+def async_save(state_dict: Any, path: str | os.PathLike, *, options: SaveOptions | None = None,
+               coordinator: Coordinator | None = None, coordination: str = DEFAULT_MODE, wait: bool = True,
+               exchange_dir: str | os.PathLike | None = None, **overrides: Any) -> SaveFuture:
+    """Save ``state_dict`` to ``path`` in the background. Every rank calls it, in the same order.
+
+    Returns once this rank's shards are copied into its staging area (so the state dict may change
+    right away); planning, coordination, writing and the commit run in this rank's persist process.
+    ``fut.result(timeout)`` returns the :class:`~hyperdcp.SaveResult` once the checkpoint is committed
+    on every rank. At most one save is in flight per rank: a second call waits for the first
+    (``wait=False``: raises :class:`SaveInProgressError`). ``coordination``: ``"gloo"`` (default),
+    ``"file"`` or ``"none"``; see :mod:`hyperdcp.async_save.saver`.
+    """
+    global _ATEXIT
+    if coordination not in MODES:
+        raise ValueError(f"coordination must be one of {MODES}, got {coordination!r}")
+    from ..api import coordinator_for
+
+    opts = resolve(SaveOptions, options, overrides)
+    coord = coordinator or coordinator_for(opts.process_group, opts.timeout)
+    key = (coordination, coord.world_size, coord.rank, tuple(coord.global_ranks))
+    with _LOCK:
+        sess = _SESSIONS.get(key)
+        if sess is None:
+            for k in list(_SESSIONS):  # one session at a time: bounded staging memory, one persist process
+                _SESSIONS.pop(k).close(report=False)
+            sess = _SESSIONS[key] = _Session(coord, coordination)
+            if not _ATEXIT:
+                atexit.register(_at_exit)
+                _ATEXIT = True
+    sess.coord = coord
+    return sess.save(state_dict, os.fspath(path), opts, wait, os.fspath(exchange_dir) if exchange_dir else None)

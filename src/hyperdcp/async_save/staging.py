@@ -1,0 +1,301 @@
+"""Staging for async saves: copy a rank's local shards into one shared-memory area, reused by structure.
+
+The area is a file in ``/dev/shm`` (a tmpfs) mapped by the training process and, read-only, by the
+persist process, so the writer reads the staged bytes without another copy. It is sized to exactly one
+copy of the rank's local shards (each chunk 64-byte aligned) and kept while the structure (the local
+plan: names, dtypes, shapes, boxes) is unchanged; a different structure frees it before allocating the
+next one, so staging never holds more than one copy.
+
+CUDA tensors are copied into the area after registering it as pinned memory (``cudaHostRegister``),
+on a side stream that first waits for the current (producer) stream; the side stream is synchronized
+before :meth:`Stager.stage` returns, so the copy is complete and the next optimizer step cannot race
+with it. CPU tensors and numpy arrays are copied too, so mutating them after return changes nothing.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from .. import adapters
+from ..adapters.state_dict import TENSOR, iter_leaves
+from ..core.boxes import Box, full_box
+from ..core.shards import LocalShard, ShardedTensor, check_shard_buffer
+from ..errors import StateDictError, StorageError
+from ..format import values as values_codec
+from ..planning.save_plan import LocalPlan
+
+ALIGN = 64
+_ONE = np.zeros(1, np.uint8)
+
+
+def shm_dir() -> str:
+    d = "/dev/shm"
+    return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
+
+
+class ShmArea:
+    """A named shared-memory file of ``nbytes`` bytes, mapped read-write (the owner) or read-only."""
+
+    def __init__(self, nbytes: int, path: str | None = None, readonly: bool = False):
+        self.nbytes = max(int(nbytes), 1)
+        self.owner = path is None
+        self.path = path or os.path.join(shm_dir(), f"hyperdcp-stage-{os.getpid()}-{secrets.token_hex(6)}")
+        flags = os.O_RDONLY if readonly else os.O_RDWR
+        try:
+            if self.owner:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                os.ftruncate(fd, self.nbytes)
+            else:
+                fd = os.open(self.path, flags)
+        except OSError as e:
+            raise StorageError(
+                f"cannot create the async-save staging area {self.path!r} ({self.nbytes} bytes): {e.strerror or e}; "
+                "/dev/shm must hold one copy of this rank's local shards"
+            ) from e
+        try:
+            self.mm = mmap.mmap(fd, self.nbytes, access=mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self.mm, dtype=np.uint8)
+        self._torch = None
+        self._cuda_registered = False
+
+    def torch_view(self):
+        """The area as a flat uint8 torch tensor (shares memory)."""
+        if self._torch is None:
+            import torch
+
+            self._torch = torch.from_numpy(self.array)
+        return self._torch
+
+    def pin_for_cuda(self) -> bool:
+        """Register the area as page-locked memory for fast, truly asynchronous device-to-host copies."""
+        if self._cuda_registered:
+            return True
+        import torch
+
+        try:
+            rc = torch.cuda.cudart().cudaHostRegister(self.torch_view().data_ptr(), self.nbytes, 0)
+            self._cuda_registered = int(getattr(rc, "value", rc)) == 0
+        except Exception:  # noqa: BLE001 - pageable memory still works, only slower
+            self._cuda_registered = False
+        return self._cuda_registered
+
+    def close(self) -> None:
+        if self._cuda_registered:
+            try:
+                import torch
+
+                torch.cuda.cudart().cudaHostUnregister(self._torch.data_ptr())
+            except Exception:  # noqa: BLE001
+                pass
+            self._cuda_registered = False
+        self._torch = None
+        self.array = None  # type: ignore[assignment]
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with the process
+            pass
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+@dataclass
+class Layout:
+    """Where each chunk of one structure lives in the area."""
+
+    key: bytes
+    plan: LocalPlan
+    offsets: np.ndarray  # (n,) int64 byte offset of each chunk
+    sizes: np.ndarray  # (n,) int64
+    total: int
+    writers: dict[int, np.ndarray] = field(default_factory=dict)  # per world size: chunks this rank writes alone
+    dst_np: list = field(default_factory=list)
+    dst_torch: list = field(default_factory=list)
+
+
+@dataclass
+class StagedCopy:
+    """What one staging produced: everything the persist process needs, as plain data."""
+
+    layout: Layout
+    area: ShmArea
+    values: dict[str, Any]  # encoded (JSON-ready) plain values
+    replicas: list[tuple[int, ...] | None]
+    seconds: float
+    first: bool
+
+
+class Stager:
+    """Per-process staging state: the shared-memory area and the layout of the last structure."""
+
+    def __init__(self) -> None:
+        self.area: ShmArea | None = None
+        self.layout: Layout | None = None
+        self._boxes: dict[tuple, tuple[Box, tuple[int, ...] | None, str]] = {}
+
+    # -- describing the state dict ---------------------------------------------------------
+    def _torch_leaf(self, fqn: str, value, ctx) -> tuple[ShardedTensor, Any]:
+        from ..adapters import torch as tad
+
+        if isinstance(value, tad.DTensor):
+            local = value.to_local()
+            mesh = value.device_mesh
+            key = (fqn, tuple(value.shape), value.dtype, tuple(value.placements), id(mesh))
+            hit = self._boxes.get(key)
+            if hit is None:
+                hit = (tad.dtensor_box(fqn, value), tad.replica_ranks(value, ctx), tad.dtype_code(fqn, value.dtype))
+                self._boxes[key] = hit
+            box, reps, code = hit
+            shape = tuple(int(s) for s in value.shape)
+            if tuple(local.shape) != box.lengths:
+                raise StateDictError(f"{fqn!r}: local shard shape {tuple(local.shape)} does not match its placement box {box}")
+        else:
+            local = value
+            box, reps, code = full_box(value.shape), tuple(range(ctx.world_size)), tad.dtype_code(fqn, value.dtype)
+            shape = box.lengths
+        n = box.numel * tad.TORCH_DTYPE[code].itemsize
+        sh = LocalShard(box, np.broadcast_to(_ONE, (n,)), reps)  # placeholder: no bytes are touched here
+        return ShardedTensor(fqn, code, shape, [sh] if box.numel else []), local.detach()
+
+    def describe(self, state_dict: Any, ctx) -> tuple[list[ShardedTensor], dict[int, Any], dict[str, Any]]:
+        if not isinstance(state_dict, dict) and not hasattr(state_dict, "state_dict"):
+            raise StateDictError(f"the state dict must be a dict (or an object with state_dict()), got {type(state_dict).__name__}")
+        tensors, sources, vals = [], {}, {}
+        torch_mod = sys.modules.get("torch")
+        for fqn, kind, v in iter_leaves(state_dict):
+            if kind != TENSOR:
+                vals[fqn] = values_codec.encode(v, fqn)
+                continue
+            if torch_mod is not None and isinstance(v, torch_mod.Tensor):
+                st, src = self._torch_leaf(fqn, v, ctx)
+                for sh in st.shards:
+                    sources[id(sh)] = src
+            else:
+                st = adapters.to_sharded(fqn, v, ctx, for_load=False)
+                for sh in st.shards:
+                    check_shard_buffer(fqn, sh, st.dtype)
+                    sources[id(sh)] = sh.data
+            tensors.append(st)
+        return tensors, sources, vals
+
+    # -- the area ------------------------------------------------------------------------
+    def _layout_for(self, plan: LocalPlan, chunks) -> tuple[Layout, bool]:
+        key = xxhash.xxh3_128(plan.to_bytes()).digest()
+        if self.layout is not None and self.layout.key == key and self.area is not None:
+            return self.layout, False
+        self.release()  # never two areas at once: staging memory stays bounded by one copy
+        sizes = np.array([sh.data.size for _, sh in chunks], dtype=np.int64)
+        padded = (sizes + ALIGN - 1) // ALIGN * ALIGN
+        offsets = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64) if len(sizes) else np.zeros(0, np.int64)
+        total = int(padded.sum())
+        self.area = ShmArea(total)
+        lay = Layout(key, plan, offsets, sizes, total)
+        arr = self.area.array
+        lay.dst_np = [arr[o : o + n] for o, n in zip(offsets.tolist(), sizes.tolist())]
+        self.layout = lay
+        return lay, True
+
+    def _torch_dsts(self, lay: Layout, chunks) -> list:
+        if not lay.dst_torch:
+            from ..adapters.torch import TORCH_DTYPE
+
+            flat = self.area.torch_view()
+            out = []
+            for (st, sh), o, n in zip(chunks, lay.offsets.tolist(), lay.sizes.tolist()):
+                out.append(flat[o : o + n].view(TORCH_DTYPE[st.dtype]).view(sh.box.lengths))
+            lay.dst_torch = out
+        return lay.dst_torch
+
+    def stage(self, state_dict: Any, ctx) -> StagedCopy:
+        """Copy every local shard of ``state_dict`` into the area; return when the copy is complete."""
+        t0 = time.perf_counter()
+        tensors, sources, vals = self.describe(state_dict, ctx)
+        plan, chunks = LocalPlan.build(tensors, list(vals))
+        lay, first = self._layout_for(plan, chunks)
+        srcs = [sources[id(sh)] for _, sh in chunks]
+        torch_mod = sys.modules.get("torch")
+        cuda = []
+        if torch_mod is not None and any(isinstance(s, torch_mod.Tensor) for s in srcs):
+            dst_t = self._torch_dsts(lay, chunks)
+            for i, s in enumerate(srcs):
+                if isinstance(s, torch_mod.Tensor):
+                    if s.device.type == "cpu":
+                        dst_t[i].copy_(s)
+                    else:
+                        cuda.append(i)
+                else:
+                    np.copyto(lay.dst_np[i], s)
+            if cuda:
+                self._copy_from_devices(torch_mod, [srcs[i] for i in cuda], [dst_t[i] for i in cuda])
+        else:
+            for d, s in zip(lay.dst_np, srcs):
+                np.copyto(d, s)
+        replicas = [sh.replica_ranks for _, sh in chunks]
+        return StagedCopy(lay, self.area, vals, replicas, time.perf_counter() - t0, first)
+
+    def _copy_from_devices(self, torch, srcs: list, dsts: list) -> None:
+        """Device-to-host copies on a side stream per device, ordered after the producer stream."""
+        pinned = self.area.pin_for_cuda()
+        by_dev: dict = {}
+        for s, d in zip(srcs, dsts):
+            by_dev.setdefault(s.device, []).append((s, d))
+        streams = []
+        for dev, pairs in by_dev.items():
+            if dev.type != "cuda":
+                for s, d in pairs:
+                    d.copy_(s)
+                continue
+            side = torch.cuda.Stream(device=dev)
+            side.wait_stream(torch.cuda.current_stream(dev))  # the producer's writes come first
+            with torch.cuda.stream(side):
+                for s, d in pairs:
+                    d.copy_(s, non_blocking=pinned)
+            streams.append(side)
+        for side in streams:
+            side.synchronize()  # complete before returning: no race with the next optimizer step
+
+    def release(self) -> None:
+        if self.area is not None:
+            self.area.close()
+        self.area = None
+        self.layout = None
+
+
+def writers_alone(lay: Layout, replicas: list, rank: int, world_size: int) -> np.ndarray:
+    """For the no-collectives mode: the local chunks this rank writes, decided without communication.
+
+    A chunk held by several ranks (``replica_ranks``) is written by one holder picked by a hash of the
+    tensor name and box, so every holder makes the same choice and writes spread over the holders.
+    Chunks with unknown holders are written by this rank.
+    """
+    hit = lay.writers.get(world_size)
+    if hit is not None:
+        return hit
+    plan = lay.plan
+    mine = []
+    for i, reps in enumerate(replicas):
+        if not reps or rank not in reps or len(reps) == 1:
+            mine.append(i)
+            continue
+        spec = plan.tensors[int(plan.tidx[i])]
+        nd = len(spec.shape)
+        h = xxhash.xxh3_64_intdigest(spec.fqn.encode() + plan.offsets[i, :nd].astype("<i8").tobytes())
+        if reps[h % len(reps)] == rank:
+            mine.append(i)
+    out = np.array(mine, dtype=np.int64)
+    lay.writers[world_size] = out
+    return out
