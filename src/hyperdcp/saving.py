@@ -203,7 +203,8 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
             parts, exc = None, None
             if rank == 0:
                 try:
-                    gplan = plan_global([LocalPlan.from_bytes(b) for b in gathered])
+                    tables: dict = {}
+                    gplan = plan_global([LocalPlan.from_bytes(b, tables) for b in gathered])
                     parts = [pack_status(wire.pack({}, {"a": a}), None) for a in gplan.assignments]
                 except Exception as e:  # noqa: BLE001
                     exc = e

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
@@ -27,7 +28,6 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-from ..coordination import wire
 from ..core import dtypes
 from ..core.boxes import Box, check_exact_cover
 from ..core.shards import LocalShard, ShardedTensor
@@ -41,6 +41,9 @@ class TensorSpec:
     shape: tuple[int, ...]
 
 
+_PLAN_MAGIC = b"HDLP"
+
+
 class LocalPlan:
     """One rank's view: its tensor table, value keys and chunks ``(tidx, offsets, lengths)``.
 
@@ -51,10 +54,21 @@ class LocalPlan:
     def __init__(self, tensors: Sequence[TensorSpec], value_keys: Sequence[str], tidx, offsets, lengths):
         self.tensors = list(tensors)
         self.value_keys = list(value_keys)
-        self.tidx = np.asarray(tidx, dtype=np.int64)
-        self.offsets = np.asarray(offsets, dtype=np.int64)
-        self.lengths = np.asarray(lengths, dtype=np.int64)
+        tidx = np.asarray(tidx, dtype=np.int64)
+        n = len(tidx)
+        offsets = np.asarray(offsets, dtype=np.int64).reshape(n, -1) if n else np.zeros((0, np.shape(offsets)[-1] if np.ndim(offsets) == 2 else 0), np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(offsets.shape)
+        #: one (n, 1 + 2D) block [tidx | offsets | lengths], so that rank 0 concatenates one array per rank
+        self.rows = np.concatenate([tidx[:, None], offsets, lengths], axis=1)
+        self._set_views()
         self._bytes: bytes | None = None
+        self._table: bytes | None = None
+
+    def _set_views(self) -> None:
+        D = (self.rows.shape[1] - 1) // 2
+        self.tidx = self.rows[:, 0]
+        self.offsets = self.rows[:, 1 : 1 + D]
+        self.lengths = self.rows[:, 1 + D :]
 
     @classmethod
     def build(cls, items: Sequence[ShardedTensor], value_keys: Sequence[str]) -> tuple["LocalPlan", list[tuple[ShardedTensor, LocalShard]]]:
@@ -83,25 +97,40 @@ class LocalPlan:
         return plan, chunks
 
     def table_json(self) -> bytes:
-        return json.dumps(
-            [[[t.fqn, t.dtype, list(t.shape)] for t in self.tensors], self.value_keys], separators=(",", ":")
-        ).encode()
+        if self._table is None:
+            self._table = json.dumps(
+                [[[t.fqn, t.dtype, list(t.shape)] for t in self.tensors], self.value_keys], separators=(",", ":")
+            ).encode()
+        return self._table
 
     def to_bytes(self) -> bytes:
+        """Binary form: magic, (table length, n, D), the JSON table, then the three int64 arrays."""
         if self._bytes is None:
-            self._bytes = wire.pack(
-                {"table": self.table_json().decode()},
-                {"tidx": self.tidx, "offsets": self.offsets, "lengths": self.lengths},
-            )
+            table = self.table_json()
+            n, D = len(self.rows), (self.rows.shape[1] - 1) // 2
+            self._bytes = b"".join([_PLAN_MAGIC, struct.pack("<QQQ", len(table), n, D), table, self.rows.astype("<i8").tobytes()])
         return self._bytes
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> "LocalPlan":
-        head, arr = wire.unpack(raw)
-        table, keys = json.loads(head["table"])
-        specs = [TensorSpec(f, d, tuple(s)) for f, d, s in table]
-        plan = cls(specs, keys, arr["tidx"], arr["offsets"], arr["lengths"])
-        plan._bytes = raw
+    def from_bytes(cls, raw: bytes, tables: dict[bytes, tuple] | None = None) -> "LocalPlan":
+        """Decode; ``tables`` memoises decoded tensor tables (identical on most ranks)."""
+        if raw[:4] != _PLAN_MAGIC:
+            raise ValueError("not a hyperdcp local plan")
+        tl, n, D = struct.unpack_from("<QQQ", raw, 4)
+        pos = 28
+        table = raw[pos : pos + tl]
+        pos += tl
+        decoded = tables.get(table) if tables is not None else None
+        if decoded is None:
+            specs_doc, keys = json.loads(table)
+            decoded = ([TensorSpec(f, d, tuple(s)) for f, d, s in specs_doc], keys)
+            if tables is not None:
+                tables[table] = decoded
+        plan = cls.__new__(cls)
+        plan.tensors, plan.value_keys = decoded
+        plan.rows = np.frombuffer(raw, "<i8", n * (1 + 2 * D), pos).reshape(n, 1 + 2 * D)
+        plan._set_views()
+        plan._bytes, plan._table = raw, table
         return plan
 
     def digest(self, world_size: int) -> bytes:
@@ -133,6 +162,33 @@ class GlobalPlan:
     def tensor_ranges(self) -> np.ndarray:
         """``r[t]:r[t+1]`` are the unique chunks of tensor ``t``."""
         return np.searchsorted(self.u_tidx, np.arange(len(self.tensors) + 1))
+
+    def to_bytes(self) -> bytes:
+        """A wire message (JSON + integer arrays, no pickle); see :meth:`from_bytes`."""
+        from ..coordination import wire
+        counts = np.array([len(a) for a in self.assignments], dtype=np.int64)
+        flat = np.concatenate(self.assignments).astype(np.int64) if self.assignments else np.zeros(0, np.int64)
+        return wire.pack(
+            {"world_size": self.world_size, "tensors": [[t.fqn, t.dtype, list(t.shape)] for t in self.tensors],
+             "value_keys": self.value_keys},
+            {"u_tidx": self.u_tidx, "u_offsets": self.u_offsets, "u_lengths": self.u_lengths, "u_writer": self.u_writer,
+             "u_slot": self.u_slot, "a_counts": counts, "a_flat": flat},
+        )
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> "GlobalPlan":
+        from ..coordination import wire
+
+        head, arr = wire.unpack(raw)
+        starts = np.concatenate([[0], np.cumsum(arr["a_counts"])])
+        flat = arr["a_flat"]
+        return cls(
+            int(head["world_size"]),
+            [TensorSpec(f, d, tuple(s)) for f, d, s in head["tensors"]],
+            list(head["value_keys"]),
+            arr["u_tidx"], arr["u_offsets"], arr["u_lengths"], arr["u_writer"], arr["u_slot"],
+            [flat[starts[r]:starts[r + 1]] for r in range(len(arr["a_counts"]))],
+        )
 
 
 def _mix(x: np.ndarray, seed: int) -> np.ndarray:
@@ -200,26 +256,34 @@ def plan_global(plans: Sequence[LocalPlan]) -> GlobalPlan:
             acc *= spec.shape[d]
     base = np.concatenate([[0], np.cumsum(numel)[:-1]]) if T else np.zeros(0, np.int64)
 
-    counts = np.array([len(p.tidx) for p in plans], dtype=np.int64)
+    counts = np.array([len(p.rows) for p in plans], dtype=np.int64)
     n = int(counts.sum())
-    tidx = np.concatenate([p.tidx for p in plans]) if n else np.zeros(0, np.int64)
-    offs = np.concatenate([p.offsets.reshape(-1, D) for p in plans]) if n else np.zeros((0, D), np.int64)
-    lens = np.concatenate([p.lengths.reshape(-1, D) for p in plans]) if n else np.zeros((0, D), np.int64)
+    if any(p.rows.shape[1] != 1 + 2 * D for p in plans if len(p.rows)):
+        raise MismatchError("ranks disagree on tensor ranks (box dimensions)")
+    rows = np.concatenate([p.rows for p in plans if len(p.rows)]) if n else np.zeros((0, 1 + 2 * D), np.int64)
+    tidx, offs, lens = rows[:, 0], rows[:, 1 : 1 + D], rows[:, 1 + D :]
     rank = np.repeat(np.arange(W, dtype=np.int64), counts)
-    lidx = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    rank_first = np.cumsum(counts) - counts
 
     if n:
-        spec_shape = np.array([list(s.shape) + [1] * (D - len(s.shape)) for s in specs], dtype=np.int64).reshape(T, D)
-        bad = (offs < 0) | (lens < 0) | (offs + lens > spec_shape[tidx])
-        if bad.any():
-            i = int(np.argmax(bad.any(axis=1)))
+        bad = (offs.min(axis=0) < 0).any() | (lens.min(axis=0) < 0).any()
+        for d in range(D):
+            dim = np.array([s.shape[d] if d < len(s.shape) else 1 for s in specs], dtype=np.int64)
+            bad = bad | (offs[:, d] + lens[:, d] > dim[tidx]).any()
+        if bad:
+            spec_shape = np.array([list(s.shape) + [1] * (D - len(s.shape)) for s in specs], dtype=np.int64).reshape(T, D)
+            out = ((offs < 0) | (lens < 0) | (offs + lens > spec_shape[tidx])).any(axis=1)
+            i = int(np.argmax(out))
             s = specs[tidx[i]]
             nd = len(s.shape)
             raise MismatchError(
                 f"tensor {s.fqn!r}: rank {rank[i]} holds box {Box(tuple(offs[i][:nd]), tuple(lens[i][:nd]))} "
                 f"outside the global shape {list(s.shape)}"
             )
-    key = base[tidx] + (offs * strides[tidx]).sum(axis=1) if n else np.zeros(0, np.int64)
+    # boxes are in bounds, so (tensor, first element) identifies a box's start exactly
+    key = base[tidx]
+    for d in range(D):
+        key += offs[:, d] * strides[:, d][tidx]
     order = np.lexsort((rank, key))
     key_s = key[order]
     new = np.ones(n, dtype=bool)
@@ -227,21 +291,26 @@ def plan_global(plans: Sequence[LocalPlan]) -> GlobalPlan:
     first = np.flatnonzero(new)
     U = len(first)
     uid = np.cumsum(new) - 1
-    L = lens[order]
-    same_len = (L == L[first][uid]).all(axis=1) if n else np.ones(0, bool)
+    # equal starts must have equal lengths (else the boxes partially overlap): compare a hash of the lengths
+    lh = np.zeros(n, dtype=np.uint64)
+    for d in range(D):
+        lh = lh * np.uint64(0x100000001B3) ^ _mix(lens[:, d], d)
+    lh_s = lh[order]
+    same_len = lh_s == lh_s[first][uid]
     if not same_len.all():
         i = int(np.argmin(same_len))
         s = specs[tidx[order[i]]]
         nd = len(s.shape)
         j = order[first[uid[i]]]
         raise MismatchError(
-            f"tensor {s.fqn!r}: rank {rank[order[i]]} holds box {Box(tuple(offs[order[i]][:nd]), tuple(L[i][:nd]))} "
+            f"tensor {s.fqn!r}: rank {rank[order[i]]} holds box {Box(tuple(offs[order[i]][:nd]), tuple(lens[order[i]][:nd]))} "
             f"and rank {rank[j]} holds {Box(tuple(offs[j][:nd]), tuple(lens[j][:nd]))}: they partially overlap; "
             "shards of one tensor must be identical (replicas) or disjoint"
         )
-    u_tidx = tidx[order[first]]
-    u_off = offs[order[first]]
-    u_len = L[first]
+    u_rows = order[first]
+    u_tidx = tidx[u_rows]
+    u_off = offs[u_rows]
+    u_len = lens[u_rows]
     vol = u_len.prod(axis=1) if D else np.ones(U, np.int64)
 
     # every tensor tiled exactly: cheap test first, full geometric check where it is needed
@@ -281,7 +350,8 @@ def plan_global(plans: Sequence[LocalPlan]) -> GlobalPlan:
         _assign_replicated(rep, first, cnt, ranks_sorted, nbytes, writer, load, exact=True)
         target = np.arange(U, dtype=np.int64) * W + writer
         pos = np.searchsorted(comb, target)
-    w_local = lidx[order[pos]]
+    w_entry = order[pos]
+    w_local = w_entry - rank_first[rank[w_entry]]
     by_writer = np.argsort(writer, kind="stable")
     per_rank = np.bincount(writer, minlength=W)
     rank_start = np.concatenate([[0], np.cumsum(per_rank)[:-1]])
@@ -356,6 +426,10 @@ class PlanCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def items(self) -> list:
+        """``(key, value)`` pairs, least recently used first."""
+        return list(self._entries.items())
 
     def clear(self) -> None:
         self._entries.clear()
