@@ -1,0 +1,449 @@
+"""Read-once loads: every stored byte that some rank needs is read from storage by exactly one rank.
+
+Flow (every rank runs the same steps; ranks that need nothing take part too):
+
+1. **Plans.** Each rank's pieces (tensor index, chunk index, box) are packed as int arrays
+   (:mod:`hyperdcp.coordination.wire`, no pickle) and exchanged with one ``all_gather``.
+2. **Schedule.** From all plans every rank computes the same global schedule: per stored chunk the
+   ranks needing parts of it, cut into *units* (contiguous row-slabs of the chunk, so that one unit
+   never exceeds the batch bound), the byte span to read (widened to whole checksum blocks when
+   verifying), and one *reader* among the ranks that need it. Units only one rank needs are read by
+   that rank; the others go, largest first, to the needing rank with the fewest bytes read so far
+   (ties rotate, so it is not always the lowest rank).
+3. **Batches.** Units are grouped into batches bounded per rank by ``read_once_batch_bytes`` (bytes
+   read plus bytes packed to send, and bytes received). A background thread reads and verifies batch
+   k+1 while the main thread moves batch k over the coordinator's process group.
+4. **Transfers** are point-to-point (``isend``/``irecv`` on the coordinator's gloo group; no group is
+   ever created). A piece that is contiguous in the stored chunk (a replica's whole shard, a row
+   slab) is sent straight out of the read buffer to every rank that needs it -- the same buffer fans
+   out to all replicas, with no copy -- and received straight into its destination memory when that
+   is contiguous and of the stored dtype. Other pieces (column slices of a reshard) are packed, one
+   flat message per pair of ranks and batch.
+
+A per-batch status exchange makes a read or checksum error on one rank fail the load on every rank
+instead of leaving the others waiting for its data.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from .coordination import wire
+from .coordination.base import Coordinator, _status, raise_remote
+from .core import dtypes
+from .core.boxes import Box
+from .errors import CheckpointError, CoordinationError, MismatchError
+from .format.metadata import Metadata
+from .options import LoadOptions
+from .planning.load_plan import ChunkRead, Piece, byte_span, dst_view, group_reads, src_view
+from .storage.checksum import block_range
+from .storage.reader import DataFiles
+
+_PLAN_VERSION = 1
+
+
+@dataclass
+class Need:
+    """Part ``box`` of a unit, needed by ``rank`` (its local piece number ``entry``)."""
+
+    rank: int
+    entry: int
+    box: Box
+    nbytes: int
+    contiguous: bool  # the box is one contiguous byte range of the stored chunk
+
+
+@dataclass
+class Unit:
+    """One read: bytes [lo, hi) of chunk ``chunk`` of tensor ``tidx``, serving ``needs``."""
+
+    uid: int
+    tidx: int
+    chunk: int
+    lo: int
+    hi: int
+    needs: list[Need]
+    reader: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def ranks(self) -> set[int]:
+        return {n.rank for n in self.needs}
+
+
+@dataclass
+class Schedule:
+    """The global read-once schedule (identical on every rank)."""
+
+    units: list[Unit]
+    batches: list[list[Unit]]
+    read_bytes: list[int]  # planned bytes read per rank
+    sent_bytes: list[int] = field(default_factory=list)
+
+
+# -- plans ------------------------------------------------------------------------------------
+
+
+def encode_plan(meta: Metadata, pieces: Sequence[Piece]) -> bytes:
+    """This rank's pieces as (tensor index, chunk index, box) integer arrays."""
+    index = {name: i for i, name in enumerate(meta.tensors)}
+    t = np.fromiter((index[p.fqn] for p in pieces), dtype=np.int32, count=len(pieces))
+    c = np.fromiter((p.chunk for p in pieces), dtype=np.int64, count=len(pieces))
+    coords = [x for p in pieces for x in (*p.box.offsets, *p.box.lengths)]
+    return wire.pack({"v": _PLAN_VERSION, "n": len(pieces)}, {"t": t, "c": c, "b": np.asarray(coords, dtype=np.int64)})
+
+
+def decode_plan(meta: Metadata, raw: bytes, rank: int) -> list[tuple[int, int, Box]]:
+    """Decode and validate another rank's plan; a malformed plan raises naming the rank."""
+    names = list(meta.tensors)
+    try:
+        head, arrs = wire.unpack(raw)
+        if head.get("v") != _PLAN_VERSION:
+            raise ValueError(f"plan version {head.get('v')!r}")
+        n = int(head["n"])
+        t, c, b = arrs["t"].tolist(), arrs["c"].tolist(), arrs["b"].tolist()
+        if len(t) != n or len(c) != n:
+            raise ValueError("array lengths differ")
+        out, pos = [], 0
+        for ti, ci in zip(t, c):
+            tm = meta.tensors[names[ti]] if 0 <= ti < len(names) else None
+            if tm is None or not 0 <= ci < len(tm.chunks):
+                raise ValueError(f"piece refers to tensor {ti} chunk {ci}, not in the checkpoint")
+            nd = len(tm.shape)
+            box = Box(tuple(b[pos : pos + nd]), tuple(b[pos + nd : pos + 2 * nd]))
+            pos += 2 * nd
+            if box.numel <= 0 or box.intersect(tm.chunks.box(ci)) != box:
+                raise ValueError(f"box {box} of {names[ti]!r} is not inside chunk {tm.chunks.box(ci)}")
+            out.append((ti, ci, box))
+        if pos != len(b):
+            raise ValueError("trailing box coordinates")
+        return out
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise MismatchError(f"read-once: the load plan of rank {rank} is malformed ({e}); do all ranks run the same hyperdcp version?") from None
+
+
+# -- schedule ---------------------------------------------------------------------------------
+
+
+def _split(off: tuple[int, ...], lens: tuple[int, ...], n: int) -> list[Box]:
+    """Cut a box into about ``n`` sub-boxes, each one contiguous range of the box's C-order bytes."""
+    if n <= 1 or not lens:
+        return [Box(off, lens)]
+    L = lens[0]
+    if L >= n or len(lens) == 1:
+        m = min(n, L)
+        cuts = [L * i // m for i in range(m + 1)]
+        return [Box((off[0] + a,) + off[1:], (b - a,) + lens[1:]) for a, b in zip(cuts, cuts[1:]) if b > a]
+    per = -(-n // L)
+    return [
+        Box((off[0] + i,) + sub.offsets, (1,) + sub.lengths)
+        for i in range(L)
+        for sub in _split(off[1:], lens[1:], per)
+    ]
+
+
+def _contiguous(chunk: Box, box: Box) -> bool:
+    """Whether ``box`` is one contiguous byte range of ``chunk`` (C order)."""
+    for d in range(box.ndim):
+        if box.lengths[d] != 1:
+            return all(box.lengths[e] == chunk.lengths[e] for e in range(d + 1, box.ndim))
+    return True
+
+
+def build_schedule(meta: Metadata, plans: list[list[tuple[int, int, Box]]], verify: bool, batch_bytes: int) -> Schedule:
+    """The deterministic global schedule: units, readers (balanced by bytes read) and batches."""
+    world = len(plans)
+    names = list(meta.tensors)
+    B = max(1, int(batch_bytes))
+    by_chunk: dict[tuple[int, int], list[tuple[int, int, Box]]] = {}
+    for r, plan in enumerate(plans):
+        for e, (ti, ci, box) in enumerate(plan):
+            by_chunk.setdefault((ti, ci), []).append((r, e, box))
+
+    units: list[Unit] = []
+    for (ti, ci) in sorted(by_chunk):
+        t = meta.tensors[names[ti]]
+        isz = dtypes.itemsize(t.dtype)
+        cb = t.chunks.box(ci)
+        size = int(t.chunks.end[ci] - t.chunks.begin[ci])
+        wants = by_chunk[(ti, ci)]
+        # memory of the whole chunk in one batch: bytes read plus bytes packed for others (pieces that
+        # are contiguous in the chunk go out of the read buffer itself)
+        cost = size + sum(b.numel * isz for _, _, b in wants if not _contiguous(cb, b))
+        n = -(-cost // B)
+        if verify:  # a part smaller than a checksum block would re-read that block
+            n = min(n, max(1, size // meta.checksum_block_bytes))
+        parts = _split(cb.offsets, cb.lengths, n) if n > 1 else [cb]
+        for part in parts:
+            needs = []
+            for r, e, box in wants:
+                sub = box.intersect(part) if len(parts) > 1 else box
+                if sub is None:
+                    continue
+                s, stop = byte_span(cb, sub, isz)
+                nb = sub.numel * isz
+                needs.append(Need(r, e, sub, nb, stop - s == nb))
+            if not needs:
+                continue
+            spans = [byte_span(cb, n.box, isz) for n in needs]
+            lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+            if verify:
+                lo, hi = block_range(lo, hi, meta.checksum_block_bytes, size)
+            units.append(Unit(len(units), ti, ci, lo, hi, needs))
+
+    # readers: units one rank needs are that rank's; then largest first to the least-loaded needer
+    load = [0] * world
+    shared = []
+    for u in units:
+        rs = u.ranks
+        if len(rs) == 1:
+            u.reader = next(iter(rs))
+            load[u.reader] += u.nbytes
+        else:
+            shared.append(u)
+    shared.sort(key=lambda u: (-u.nbytes, u.uid))
+    for u in shared:
+        u.reader = min(u.ranks, key=lambda r: (load[r], (r - u.uid) % world))
+        load[u.reader] += u.nbytes
+
+    # batches, in a reader-interleaving order (largest first), bounded per rank
+    order = sorted(units, key=lambda u: (-u.nbytes, u.uid))
+    batches: list[list[Unit]] = []
+    cur: list[Unit] = []
+    out_b, in_b = [0] * world, [0] * world
+    sent = [0] * world
+    for u in order:
+        add_out = {u.reader: u.nbytes + sum(n.nbytes for n in u.needs if n.rank != u.reader and not n.contiguous)}
+        add_in: dict[int, int] = {}
+        for n in u.needs:
+            if n.rank != u.reader:
+                add_in[n.rank] = add_in.get(n.rank, 0) + n.nbytes
+                sent[u.reader] += n.nbytes
+        over = any(out_b[r] + v > B for r, v in add_out.items()) or any(in_b[r] + v > B for r, v in add_in.items())
+        if cur and over:
+            batches.append(cur)
+            cur, out_b, in_b = [], [0] * world, [0] * world
+        cur.append(u)
+        for r, v in add_out.items():
+            out_b[r] += v
+        for r, v in add_in.items():
+            in_b[r] += v
+    if cur:
+        batches.append(cur)
+    return Schedule(units, batches, load, sent)
+
+
+# -- execution --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Msg:
+    """One point-to-point message of a batch, from this rank's side."""
+
+    peer: int
+    tag: int
+    nbytes: int
+    unit: Unit | None = None  # direct message: one contiguous need of this unit
+    need: Need | None = None
+    packed: list[tuple[Unit, Need, int]] | None = None  # packed message: (unit, need, offset)
+
+
+def _messages(batch: list[Unit], me: int) -> tuple[list[_Msg], list[_Msg]]:
+    """This rank's sends and receives for one batch (the peer computes the mirror image)."""
+    pairs_out: dict[int, list] = {}
+    pairs_in: dict[int, list] = {}
+    for u in batch:
+        for n in u.needs:
+            if n.rank == u.reader:
+                continue
+            if u.reader == me:
+                pairs_out.setdefault(n.rank, []).append((u, n))
+            elif n.rank == me:
+                pairs_in.setdefault(u.reader, []).append((u, n))
+
+    def build(pairs: dict[int, list]) -> list[_Msg]:
+        msgs = []
+        for peer in sorted(pairs):
+            packed, off, tag = [], 0, 1
+            for u, n in pairs[peer]:
+                if n.contiguous:
+                    msgs.append(_Msg(peer, tag, n.nbytes, unit=u, need=n))
+                    tag += 1
+                else:
+                    packed.append((u, n, off))
+                    off += n.nbytes
+            if packed:
+                msgs.append(_Msg(peer, 0, off, packed=packed))
+        return msgs
+
+    return build(pairs_out), build(pairs_in)
+
+
+class _Exchange:
+    """Runs a schedule on one rank."""
+
+    def __init__(self, files: DataFiles, meta: Metadata, pieces: Sequence[Piece], coord: Coordinator,
+                 opts: LoadOptions, sched: Schedule):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.files, self.meta, self.pieces, self.coord, self.opts, self.sched = files, meta, pieces, coord, opts, sched
+        self.me = coord.rank
+        self.names = list(meta.tensors)
+        self.group = coord.group  # type: ignore[attr-defined]
+        self.glob = coord.global_ranks
+        self._call = getattr(coord, "_call", lambda fn, *a, **k: fn(*a, **k))
+
+    # reading (background thread) ---------------------------------------------------------------
+    def _piece(self, u: Unit, n: Need) -> Piece:
+        p = self.pieces[n.entry]
+        return Piece(p.fqn, p.chunk, n.box, p.dst, p.dst_dtype)
+
+    def _chunk_read(self, u: Unit, pieces: list[Piece]) -> ChunkRead:
+        t = self.meta.tensors[self.names[u.tidx]]
+        return ChunkRead(self.names[u.tidx], u.chunk, int(t.chunks.file[u.chunk]), int(t.chunks.begin[u.chunk]),
+                         u.lo, u.hi, pieces)
+
+    def prepare(self, k: int) -> dict[str, Any]:
+        """Read and verify this rank's units of batch k, fill its own pieces, pack its messages."""
+        from .loading import copy_piece, read_chunk
+
+        batch = self.sched.batches[k]
+        sends, recvs = _messages(batch, self.me)
+        mine = [u for u in batch if u.reader == self.me]
+        bufs: dict[int, tuple[np.ndarray, ChunkRead]] = {}
+
+        def one(u: Unit) -> None:
+            own = [self._piece(u, n) for n in u.needs if n.rank == self.me]
+            read = self._chunk_read(u, own)
+            only_me = all(n.rank == self.me for n in u.needs)
+            buf, direct = read_chunk(self.files, self.meta, read, self.opts.verify_checksums, direct_ok=only_me)
+            if not direct:
+                for p in own:
+                    if p.dst is not None:
+                        copy_piece(buf, read, self.meta, p)
+            if not only_me:
+                bufs[u.uid] = (buf, read)
+
+        if self.opts.read_threads > 1 and len(mine) > 1:
+            with ThreadPoolExecutor(min(self.opts.read_threads, len(mine))) as ex:
+                list(ex.map(one, sorted(mine, key=lambda u: (self.meta.tensors[self.names[u.tidx]].chunks.file[u.chunk], u.uid))))
+        else:
+            for u in mine:
+                one(u)
+
+        out = []
+        for m in sends:
+            if m.packed is None:
+                out.append((m, self._src(bufs, m.unit, m.need, flat=True)))
+            else:
+                flat = np.empty(m.nbytes, dtype=np.uint8)
+                for u, n, off in m.packed:
+                    isz = dtypes.itemsize(self.meta.tensors[self.names[u.tidx]].dtype)
+                    np.copyto(flat[off : off + n.nbytes].reshape(n.box.lengths + (isz,)), self._src(bufs, u, n, flat=False))
+                out.append((m, flat))
+        return {"sends": out, "recvs": recvs}
+
+    def _src(self, bufs, u: Unit, n: Need, flat: bool) -> np.ndarray:
+        buf, read = bufs[u.uid]
+        t = self.meta.tensors[self.names[u.tidx]]
+        cb = t.chunks.box(u.chunk)
+        if flat:  # contiguous: a slice of the read buffer, no copy
+            s, _ = byte_span(cb, n.box, dtypes.itemsize(t.dtype))
+            return buf[s - read.lo : s - read.lo + n.nbytes]
+        return src_view(buf, read, cb, n.box, t.dtype, typed=False)
+
+    # moving (main thread) -------------------------------------------------------------------------
+    def _dst(self, u: Unit, n: Need) -> tuple[Piece, np.ndarray | None]:
+        """The destination piece, and its memory as a flat byte array when bytes can land there directly."""
+        p = self._piece(u, n)
+        t = self.meta.tensors[p.fqn]
+        if p.dst is None or p.dst_dtype != t.dtype:
+            return p, None
+        view = dst_view(p.dst, n.box, p.dst_dtype, typed=False)
+        return p, (view.reshape(-1) if view.flags.c_contiguous else None)
+
+    def _place(self, packed: np.ndarray, p: Piece) -> None:
+        if p.dst is None:
+            return
+        t = self.meta.tensors[p.fqn]
+        cast = p.dst_dtype != t.dtype
+        if cast:
+            src = packed.view(dtypes.to_numpy(t.dtype)).reshape(p.box.lengths)
+        else:
+            src = packed.reshape(p.box.lengths + (dtypes.itemsize(t.dtype),))
+        np.copyto(dst_view(p.dst, p.box, p.dst_dtype, typed=cast), src, casting="unsafe")
+
+    def transfer(self, state: dict[str, Any]) -> None:
+        import torch
+
+        dist, works, after = self.dist, [], []
+        for m in state["recvs"]:
+            if m.packed is None:
+                p, direct = self._dst(m.unit, m.need)
+                buf = direct if direct is not None else np.empty(m.nbytes, dtype=np.uint8)
+                if direct is None:
+                    after.append((buf, [(p, 0, m.nbytes)]))
+            else:
+                buf = np.empty(m.nbytes, dtype=np.uint8)
+                after.append((buf, [(self._piece(u, n), off, n.nbytes) for u, n, off in m.packed]))
+            works.append(self._call(dist.irecv, torch.from_numpy(buf), src=self.glob[m.peer], group=self.group, tag=m.tag))
+        for m, payload in state["sends"]:
+            works.append(self._call(dist.isend, torch.from_numpy(payload), dst=self.glob[m.peer], group=self.group, tag=m.tag))
+        for w in works:
+            self._call(w.wait)
+        for buf, parts in after:
+            for p, off, nb in parts:
+                self._place(buf[off : off + nb], p)
+
+    def run(self) -> None:
+        nb = len(self.sched.batches)
+        if nb == 0:
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="hyperdcp-read-once") as ex:
+            fut = ex.submit(self.prepare, 0)
+            for k in range(nb):
+                state, exc = None, None
+                try:
+                    state = fut.result()
+                except Exception as e:  # noqa: BLE001 - reported to every rank below
+                    exc = e
+                if exc is None and k + 1 < nb:
+                    fut = ex.submit(self.prepare, k + 1)  # read the next batch while this one moves
+                statuses = self.coord.all_gather(_status(exc))
+                try:
+                    raise_remote(statuses, self.coord, f"read-once load (batch {k + 1} of {nb})", exc)
+                except BaseException:
+                    if k + 1 < nb and exc is None:
+                        fut.cancel()
+                    raise
+                self.transfer(state)
+                state = None
+
+
+def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coordinator, opts: LoadOptions) -> Schedule | None:
+    """Fill ``pieces`` reading every needed stored byte once across the ranks of ``coord``.
+
+    Every rank must call it (with an empty list when it needs nothing). Coordinators without a
+    torch.distributed process group fall back to each rank reading what it needs.
+    """
+    if coord.world_size <= 1 or getattr(coord, "group", None) is None:
+        from .loading import execute_local_reads
+
+        execute_local_reads(files, meta, group_reads(meta, pieces, opts.verify_checksums), opts)
+        return None
+    mine = encode_plan(meta, pieces)
+    raws = coord.all_gather(mine)
+    plans = [decode_plan(meta, raw, r) for r, raw in enumerate(raws)]
+    if len(plans[coord.rank]) != len(pieces):
+        raise CoordinationError(f"read-once: rank {coord.rank} received a different plan than it sent")
+    sched = build_schedule(meta, plans, opts.verify_checksums, opts.read_once_batch_bytes)
+    _Exchange(files, meta, pieces, coord, opts, sched).run()
+    return sched
