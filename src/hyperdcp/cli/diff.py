@@ -79,7 +79,9 @@ def _stats(x: np.ndarray, y: np.ndarray, atol: float, rtol: float) -> tuple[floa
         ref = np.abs(yf)
     with np.errstate(divide="ignore", invalid="ignore"):
         rel = np.where(diff == 0, 0.0, diff / ref)
-    beyond = int(np.count_nonzero(diff > atol + rtol * ref))
+    with np.errstate(invalid="ignore"):
+        tol = atol + (rtol * ref if rtol else 0.0)
+    beyond = int(np.count_nonzero(diff > tol))
     return (float(diff.max()) if diff.size else 0.0, float(rel.max()) if rel.size else 0.0, beyond)
 
 
