@@ -11,7 +11,7 @@ import importlib
 import sys
 
 #: subcommand modules, in the order ``--help`` lists them
-SUBCOMMANDS: list[str] = ["verify", "convert", "inspect", "diff"]
+SUBCOMMANDS: list[str] = ["demo", "verify", "convert", "inspect", "diff"]
 
 
 def build_parser() -> argparse.ArgumentParser:
