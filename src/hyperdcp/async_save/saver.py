@@ -60,6 +60,7 @@ class _Session:
         self.restart = False
         self.inflight: SaveFuture | None = None
         self.sent_keys: set = set()
+        self.xroots: set[str] = set()
         self.store = None
         self.token, self.host, self.port = self._rendezvous()
 
@@ -135,6 +136,7 @@ class _Session:
         if mode == "file":
             root = exchange_dir or os.path.join(parent, f".hyperdcp-xchg-{self.token}")
             xdir = os.path.join(os.path.abspath(root), f"{seq:08d}")
+            self.xroots.add(os.path.abspath(root))
         msg: dict[str, Any] = {
             "op": "save", "path": path, "rank": self.rank, "world_size": self.world_size, "mode": mode,
             "options": {f: getattr(opts, f) for f in _OPTION_FIELDS}, "cache": self._cache_entries(),
@@ -213,8 +215,23 @@ class _Session:
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
+        if self.rank == 0:
+            self._clean_exchange()
         self.stager.release()
         self.store = None
+
+
+    def _clean_exchange(self, wait: float = 5.0) -> None:
+        """Rank 0 removes the exchange directories once every rank has marked them done."""
+        from .persist_process import _cleanup_exchange
+
+        deadline = time.monotonic() + wait
+        for root in self.xroots:
+            while os.path.isdir(root):
+                _cleanup_exchange(root, self.world_size, None)
+                if not os.path.isdir(root) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
 
 
 def _rebuild(reply: dict, rank: int, path: str) -> BaseException:

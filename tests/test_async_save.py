@@ -1,0 +1,141 @@
+"""Async save: staging isolation, the three coordination modes, plan reuse, failures and dead persist processes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.dist import run_ranks  # noqa: E402
+from tests.layouts import check_state, make_state  # noqa: E402
+
+
+def _hsdp(mesh):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return make_state(mesh, lambda name, nd: [Replicate(), Shard(0)])
+
+
+def _clobber(state) -> None:
+    """Overwrite every local tensor (what the next optimizer step would do)."""
+    from torch.distributed.tensor import DTensor
+
+    for t in state["model"].values():
+        (t.to_local() if isinstance(t, DTensor) else t).fill_(7)
+    state["step"] = -1
+
+
+def _round_trip(rank, world, root, mode):
+    import hyperdcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    state = _hsdp(mesh)
+    fut = hyperdcp.async_save(state, f"{root}/a", coordination=mode)
+    _clobber(state)  # right after return: must not reach the checkpoint
+    res = fut.result(timeout=60)
+    assert res.world_size == world and fut.done()
+    back = _hsdp_zeros(mesh)
+    hyperdcp.load(back, f"{root}/a")
+    check_state(back)
+
+    # a second async save of the same structure reuses the staging area and (collective modes) the plan
+    state = _hsdp(mesh)
+    fut2 = hyperdcp.async_save(state, f"{root}/b", coordination=mode)
+    assert not fut2.first_call
+    res2 = fut2.result(timeout=60)
+    if mode != "none":
+        assert res2.plan_cache_hit
+        # the plan computed in the persist process flowed back: a sync save skips planning too
+        assert hyperdcp.save(state, f"{root}/c").plan_cache_hit
+    back = _hsdp_zeros(mesh)
+    hyperdcp.load(back, f"{root}/b")
+    check_state(back)
+    return res.bytes_written
+
+
+def _hsdp_zeros(mesh):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return make_state(mesh, lambda name, nd: [Replicate(), Shard(0)], zeros=True)
+
+
+@pytest.mark.parametrize("mode", ["gloo", "file", "none"])
+def test_round_trip_4_ranks(tmp_path, mode):
+    written = run_ranks(4, _round_trip, str(tmp_path), mode, timeout=90)
+    import hyperdcp
+
+    meta = hyperdcp.read_metadata(str(tmp_path / "a"))
+    assert sum(written) == meta.data_file_bytes  # each unique byte written once, in every mode
+    assert not [e for e in os.listdir(tmp_path) if e.startswith(".hyperdcp-xchg") and os.listdir(tmp_path / e)]
+
+
+def _failures(rank, world, root, mode):
+    import signal
+    import time
+
+    import hyperdcp
+    from hyperdcp.async_save import PersistProcessDiedError, SaveInProgressError, saver
+
+    state = {"w": torch.arange(12.0).reshape(4, 3) + rank * 0, "step": 1}
+    hyperdcp.async_save(state, f"{root}/ok", coordination=mode).result(timeout=60)
+
+    # 1. an exception in rank 1's persist process fails every future, with that error
+    saver.TEST_FAULT = {"rank": 1, "kind": "raise", "message": "boom-injected-fault"}
+    fut = hyperdcp.async_save(state, f"{root}/bad", coordination=mode)
+    saver.TEST_FAULT = None
+    with pytest.raises(hyperdcp.CheckpointError, match="boom-injected-fault") as ei:
+        fut.result(timeout=60)
+    if rank == 1:
+        assert "faulty" in ei.value.remote_traceback and "RuntimeError" in ei.value.original_type
+    else:
+        assert isinstance(ei.value, hyperdcp.RemoteRankError) and "rank 1" in str(ei.value)
+    assert not os.path.exists(f"{root}/bad")
+
+    # 2. rank 1's persist process is killed mid-save (overwriting a committed checkpoint)
+    saver.TEST_FAULT = {"rank": 1, "kind": "stall", "seconds": 60}
+    state2 = {"w": torch.full((4, 3), 5.0), "step": 2}
+    fut = hyperdcp.async_save(state2, f"{root}/ok", coordination=mode, overwrite=True)
+    saver.TEST_FAULT = None
+    with pytest.raises(SaveInProgressError):
+        hyperdcp.async_save(state2, f"{root}/other", coordination=mode, wait=False)
+    if rank == 1:
+        time.sleep(0.5)
+        os.kill(fut.worker_pid, signal.SIGKILL)
+    with pytest.raises(hyperdcp.CheckpointError) as ei:
+        fut.result(timeout=60)
+    if rank == 1:
+        assert isinstance(ei.value, PersistProcessDiedError) and "SIGKILL" in str(ei.value)
+    back = {"w": torch.zeros(4, 3), "step": 0}
+    hyperdcp.load(back, f"{root}/ok")  # the previous checkpoint is intact
+    assert torch.equal(back["w"], torch.arange(12.0).reshape(4, 3)) and back["step"] == 1
+
+    # 3. the next save works (with a new persist process on rank 1)
+    res = hyperdcp.async_save(state2, f"{root}/ok", coordination=mode, overwrite=True).result(timeout=60)
+    hyperdcp.load(back, f"{root}/ok")
+    assert torch.equal(back["w"], state2["w"]) and back["step"] == 2
+    return res.bytes_written
+
+
+@pytest.mark.parametrize("mode", ["gloo", "file"])
+def test_failures_2_ranks(tmp_path, mode):
+    run_ranks(2, _failures, str(tmp_path), mode, timeout=120)
+
+
+def test_single_process_numpy_and_values(tmp_path):
+    import numpy as np
+
+    import hyperdcp
+
+    state = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "t": torch.ones(3, dtype=torch.bfloat16), "x": {"lr": 0.1}}
+    fut = hyperdcp.async_save(state, tmp_path / "c")
+    state["a"][:] = -1
+    state["t"].zero_()
+    fut.result(timeout=60)
+    back = {"a": np.zeros((2, 3), np.float32), "t": torch.zeros(3, dtype=torch.bfloat16), "x": None}
+    hyperdcp.load(back, tmp_path / "c")
+    assert back["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and back["t"].float().tolist() == [1, 1, 1] and back["x"] == {"lr": 0.1}
+    with pytest.raises(hyperdcp.CheckpointExistsError):
+        hyperdcp.async_save(state, tmp_path / "c").result(timeout=60)
