@@ -87,7 +87,8 @@ def _write_assigned(tmp: str, rank: int, staged: StagedState, assignment: np.nda
     """Write this rank's assigned chunks into 1..files_per_rank data files; return the result message."""
     todo = [staged.chunks[i] for i in assignment.tolist()]
     if not todo:
-        return wire.pack({"files": []}, {"file": np.zeros(0, np.int64), "begin": np.zeros(0, np.int64), "end": np.zeros(0, np.int64)}) + b""
+        empty = np.zeros(0, np.int64)
+        return wire.pack({"files": [], "checksums": []}, {"file": empty, "begin": empty, "end": empty})
     sizes = np.array([sh.data.size for _, sh in todo], dtype=np.int64)
     nfiles = max(1, min(opts.files_per_rank, len(todo)))
     cut = np.searchsorted(np.cumsum(sizes), np.arange(1, nfiles) * sizes.sum() / nfiles)
