@@ -414,6 +414,8 @@ def hf_to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool
     t0 = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
     meta = read_hf_metadata(src)
+    if os.path.realpath(dst) == os.path.realpath(meta.root):
+        raise StorageError(f"cannot convert {src!r} into its own directory; choose another destination")
     B = checksum_block_bytes or DEFAULT_BLOCK_BYTES
     piece = max(B, buffer_bytes // B * B)
     target = SaveTarget(dst, overwrite=overwrite)
@@ -544,7 +546,7 @@ def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
 
 def dcp_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size: int | str = "5GB",
               dtype: str | None = None, values_file: str | None = None, overwrite: bool = False,
-              threads: int = 4, budget_bytes: int = 512 << 20, quiet: bool = True) -> ConvertResult:
+              threads: int = 4, budget_bytes: int = 256 << 20, quiet: bool = True) -> ConvertResult:
     """Convert a hyperdcp checkpoint (or any source) into HF safetensors shards plus an index.
 
     Tensor names are kept; non-tensor values are skipped (listed in the result) or written as tagged
