@@ -80,3 +80,27 @@ def test_load_in_one_process_as_plain_tensors(hsdp_checkpoint):
     res = hyperdcp.load(state, hsdp_checkpoint[0])
     check_state(state)
     assert res.bytes_read == hyperdcp.read_metadata(hsdp_checkpoint[0]).tensor_bytes
+
+
+# -- read-once loads (issue 4): the same matrix, each stored byte read by one rank and exchanged -----
+
+
+@pytest.fixture(scope="module")
+def hsdp_checkpoint_read_once(tmp_path_factory):
+    """Save, then load back the same layout and as 1-D [Shard(-1)], all with read-once on."""
+    path = str(tmp_path_factory.mktemp("matrix_ro") / "ckpt")
+    written = run_ranks(4, _save_hsdp, path, True, timeout=180)
+    return path, written
+
+
+def test_read_once_same_layout_and_columns(hsdp_checkpoint_read_once):
+    path, written = hsdp_checkpoint_read_once
+    assert sum(written) == hyperdcp.read_metadata(path).data_file_bytes
+
+
+def test_read_once_on_three_ranks_uneven(hsdp_checkpoint):
+    run_ranks(3, _load_1d, hsdp_checkpoint[0], 1, True, timeout=120)
+
+
+def test_read_once_on_two_ranks_shard0(hsdp_checkpoint):
+    run_ranks(2, _load_1d, hsdp_checkpoint[0], 0, True, timeout=120)

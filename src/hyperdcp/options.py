@@ -38,9 +38,11 @@ class LoadOptions:
     timeout: float | None = None
     #: threads issuing reads on each rank
     read_threads: int = 4
-    #: read each stored byte once cluster-wide and send it to the ranks that need it
-    read_once: bool = False
-    #: bound on bytes buffered per read-once batch
+    #: read each stored byte once cluster-wide and send it to the ranks that need it (over the process
+    #: group); False: every rank reads what it needs itself
+    read_once: bool = True
+    #: bound, per rank, on bytes read and packed (and on bytes received) per read-once batch; about
+    #: twice this is in flight while the next batch is read during the current one's transfer
     read_once_batch_bytes: int = 256 << 20
 
 

@@ -1,0 +1,227 @@
+"""Read amplification and cold-cache load time: hyperdcp (read-once) vs torch.distributed.checkpoint.
+
+N local CPU ranks (gloo). The state (``--tensors`` float32 matrices, ``--mib`` MiB in all) is saved as
+HSDP on a (R, S) mesh [Replicate, Shard(0)] by both libraries, then loaded (a) in the same layout and
+(b) as 1-D [Shard(1)] over all ranks. For every load it reports:
+
+* read amplification: bytes read from storage summed over ranks / the checkpoint's unique bytes,
+  counted by hyperdcp's storage layer (``LoadResult.bytes_read``) and cross-checked with
+  /proc/self/io (``rchar``: bytes through read syscalls; ``read_bytes``: bytes fetched from the device);
+* wall time (slowest rank, between barriers) with a cold page cache: before each load rank 0 runs
+  ``sync; echo 3 > /proc/sys/vm/drop_caches`` where permitted, else evicts the checkpoint's files
+  with posix_fadvise(DONTNEED) (the method used is printed);
+* peak extra host memory per rank during the load: VmHWM - VmRSS before the load (VmHWM reset
+  through /proc/self/clear_refs).
+
+Every load is checked element-exact.
+
+    python bench/load.py --ranks 8 --mesh 4 2 --mib 1024
+    python bench/load.py --ranks 8 --mesh 4 2 --mib 256 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+
+def _io() -> dict[str, int]:
+    out = {"rchar": 0, "read_bytes": 0}
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                k, v = line.split(":")
+                out[k] = int(v)
+    except OSError:  # not every kernel (e.g. gVisor) has it; the counts then read 0
+        pass
+    return out
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def drop_caches(dirs: list[str]) -> str:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    for d in dirs:
+        for root, _, names in os.walk(d):
+            for n in names:
+                fd = os.open(os.path.join(root, n), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+    return "fadvise"
+
+
+def _fill(t, box_off, cols_total):
+    """Deterministic exact values from global element indices (float32-exact)."""
+    import torch
+
+    r0, c0 = box_off
+    rows = torch.arange(r0, r0 + t.shape[0], dtype=torch.int64)[:, None]
+    cols = torch.arange(c0, c0 + t.shape[1], dtype=torch.int64)[None, :]
+    return ((rows * cols_total + cols) % 65521).to(t.dtype)
+
+
+def _state(mesh, placements, shapes, fill: bool, salt: int = 0):
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out = {}
+    for i, shape in enumerate(shapes):
+        lshape, off = compute_local_shape_and_global_offset(shape, mesh, placements)
+        local = torch.zeros(tuple(lshape), dtype=torch.float32)
+        if fill:
+            local = _fill(local, tuple(off), shape[1]) + i
+        out[f"layer{i}.weight"] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                                    stride=(shape[1], 1))
+    return out
+
+
+def _check(state, shapes):
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for i, shape in enumerate(shapes):
+        dt = state[f"layer{i}.weight"]
+        _, off = compute_local_shape_and_global_offset(shape, dt.device_mesh, dt.placements)
+        local = dt.to_local()
+        want = _fill(local, tuple(off), shape[1]) + i
+        if not bool((local == want).all()):
+            raise AssertionError(f"layer{i}.weight differs after load")
+
+
+def _rank(rank, world, args, root):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    import hyperdcp
+
+    R, S = args.mesh
+    shapes = [(args.rows, args.cols)] * args.tensors
+    hsdp = init_device_mesh("cpu", (R, S))
+    flat = init_device_mesh("cpu", (world,))
+    hp, tp = os.path.join(root, "hyperdcp"), os.path.join(root, "torch")
+    src = _state(hsdp, [Replicate(), Shard(0)], shapes, fill=True)
+    hyperdcp.save(src, hp)
+    if not args.no_torch:
+        dcp.save(src, checkpoint_id=tp)
+    del src
+    dist.barrier()
+    cases = {"a_same_layout": (hsdp, [Replicate(), Shard(0)]), "b_1d_shard1": (flat, [Shard(1)])}
+    libs = ["hyperdcp"] + ([] if args.no_torch else ["torch"])
+    results = {}
+    for case, (mesh, placements) in cases.items():
+        for lib in libs:
+            state = _state(mesh, placements, shapes, fill=False)
+            dist.barrier()
+            method = drop_caches([hp, tp]) if rank == 0 else ""
+            dist.barrier()
+            peak_ok = _reset_peak()
+            rss0, io0 = _status_kib("VmRSS"), _io()
+            dist.barrier()
+            t0 = time.perf_counter()
+            counted = None
+            if lib == "hyperdcp":
+                counted = hyperdcp.load(state, hp, read_once=not args.no_read_once,
+                                        read_once_batch_bytes=args.batch_mib << 20).bytes_read
+            else:
+                dcp.load(state, checkpoint_id=tp)
+            t1 = time.perf_counter()
+            dist.barrier()
+            t2 = time.perf_counter()
+            io1 = _io()
+            peak = (_status_kib("VmHWM") - rss0) * 1024 if peak_ok else -1
+            _check(state, shapes)
+            results[(case, lib)] = {
+                "seconds": t1 - t0, "seconds_to_barrier": t2 - t0, "counted": counted,
+                "rchar": io1["rchar"] - io0["rchar"], "read_bytes": io1["read_bytes"] - io0["read_bytes"],
+                "peak_extra": peak, "cache": method,
+            }
+            del state
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--mesh", type=int, nargs=2, default=(4, 2))
+    ap.add_argument("--mib", type=int, default=1024, help="total tensor MiB")
+    ap.add_argument("--tensors", type=int, default=16)
+    ap.add_argument("--cols", type=int, default=4096)
+    ap.add_argument("--batch-mib", type=int, default=256, help="read_once_batch_bytes in MiB")
+    ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-read-once", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--timeout", type=float, default=3600)
+    args = ap.parse_args()
+    assert args.mesh[0] * args.mesh[1] == args.ranks, "mesh must cover the ranks"
+    per = (args.mib << 20) // args.tensors
+    args.rows = per // (4 * args.cols)
+    args.rows -= args.rows % args.mesh[1]
+    root = tempfile.mkdtemp(prefix="hyperdcp-bench-", dir=args.dir)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from tests.dist import run_ranks
+
+    try:
+        t = time.perf_counter()
+        res = run_ranks(args.ranks, _rank, args, root, timeout=args.timeout)
+        import hyperdcp
+
+        unique = hyperdcp.read_metadata(os.path.join(root, "hyperdcp")).tensor_bytes
+        print(f"{args.ranks} ranks, HSDP mesh {tuple(args.mesh)} save, {args.tensors} x ({args.rows}, {args.cols}) "
+              f"float32 = {unique / 2**20:.0f} MiB unique; cache: {res[0][next(iter(res[0]))]['cache']}; "
+              f"read_once_batch_bytes {args.batch_mib} MiB; total run {time.perf_counter() - t:.0f} s")
+        print(f"{'case':<16}{'library':<10}{'ampl(counted)':>14}{'ampl(rchar)':>12}{'ampl(disk)':>11}"
+              f"{'wall s':>8}{'peak extra MiB (max/rank)':>27}")
+        report = {}
+        for key in res[0]:
+            case, lib = key
+            rows = [r[key] for r in res]
+            counted = sum(r["counted"] for r in rows) / unique if rows[0]["counted"] is not None else float("nan")
+            rchar = sum(r["rchar"] for r in rows) / unique
+            disk = sum(r["read_bytes"] for r in rows) / unique
+            wall = max(r["seconds_to_barrier"] for r in rows)
+            peak = max(r["peak_extra"] for r in rows) / 2**20
+            print(f"{case:<16}{lib:<10}{counted:>14.3f}{rchar:>12.3f}{disk:>11.3f}{wall:>8.2f}{peak:>27.0f}")
+            report[f"{case}/{lib}"] = {"ampl_counted": counted, "ampl_rchar": rchar, "ampl_disk": disk,
+                                       "wall_s": wall, "peak_extra_mib_max": peak, "per_rank": rows}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
