@@ -59,6 +59,37 @@ _PEERS: dict[int, list[tuple[str, int]]] = {}
 _RANKS_RE = re.compile(r"Ranks? ([0-9][0-9, ]*) failed to pass monitoredBarrier")
 
 
+#: arrivals so far per group (the ranks that arrive agree on it; keys the store entry naming the missing)
+_ARRIVALS: dict[int, int] = {}
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - private API; naming the missing ranks is best effort
+        return None
+
+
+def _store_set(key: str, value: str) -> None:
+    st = _store()
+    if st is not None:
+        try:
+            st.set(key, value)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _store_get(key: str, wait_s: float = 3.0) -> str | None:
+    st = _store()
+    if st is None:
+        return None
+    try:
+        st.wait([key], timedelta(seconds=wait_s))
+        return st.get(key).decode()
+    except Exception:  # noqa: BLE001
+        return None
+
+
 class TorchCoordinator(Coordinator):
     def __init__(self, pg=None, timeout: float | None = None):
         if not dist.is_available() or not dist.is_initialized():
@@ -151,7 +182,14 @@ class TorchCoordinator(Coordinator):
         except (RuntimeError, OSError, TimeoutError) as e:
             m = _RANKS_RE.search(str(e))
             missing = sorted({int(x) for x in re.findall(r"[0-9]+", m.group(1))}) if m else []
-            if not missing and self.rank != 0:
+            key = f"hyperdcp/arrive/{self._global[0]}/{_ARRIVALS.get(id(self._base), 0)}"
+            if self.rank == 0 and missing:
+                _store_set(key, ",".join(map(str, missing)))
+            elif self.rank != 0 and "successfully reached monitoredBarrier" in str(e):
+                # rank 0 is alive and found someone missing: it left the names in the store
+                got = _store_get(key)
+                missing = [int(x) for x in got.split(",") if x] if got else []
+            elif not missing and self.rank != 0:
                 missing = [0]
             dead = set(self._dead_ranks())
             limit = f"{self.timeout:g} s" if self.timeout is not None else "the process group's timeout"
@@ -161,6 +199,7 @@ class TorchCoordinator(Coordinator):
                 f"{self.rank}); every rank must call it. Check that those ranks are alive and reach this call, "
                 "or raise timeout="
             ) from e
+        _ARRIVALS[id(self._base)] = _ARRIVALS.get(id(self._base), 0) + 1
         if id(self._base) not in _PEERS:
             me = f"{socket.gethostname()}\n{os.getpid()}".encode()
             _PEERS[id(self._base)] = [

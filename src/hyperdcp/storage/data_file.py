@@ -98,8 +98,11 @@ def write_data_file(directory: str, name: str, chunks: Sequence[ChunkToWrite], b
     return WrittenFile(name, total, begin, end, sums)
 
 
-def read_header(fd: int, file_size: int, where: str) -> tuple[dict, int]:
-    """Parse and validate a safetensors header; return (entries, data start). Never trusts sizes blindly."""
+def read_header(fd: int, file_size: int, where: str, file_metadata: dict | None = None) -> tuple[dict, int]:
+    """Parse and validate a safetensors header; return (entries, data start). Never trusts sizes blindly.
+
+    ``file_metadata``, when given, receives the header's ``__metadata__`` object.
+    """
     if file_size < 8:
         raise FormatError(f"{where}: too short to be a safetensors file ({file_size} bytes)")
     prefix = os.pread(fd, 8, 0)
@@ -126,6 +129,8 @@ def read_header(fd: int, file_size: int, where: str) -> tuple[dict, int]:
         if k == "__metadata__":
             if not isinstance(v, dict):
                 raise FormatError(f"{where}: __metadata__ must be an object")
+            if file_metadata is not None:
+                file_metadata.update(v)
             continue
         if not isinstance(v, dict) or not isinstance(v.get("shape"), list) or not isinstance(v.get("data_offsets"), list):
             raise FormatError(f"{where}: entry {k!r} lacks dtype/shape/data_offsets")
@@ -134,7 +139,10 @@ def read_header(fd: int, file_size: int, where: str) -> tuple[dict, int]:
             raise FormatError(f"{where}: entry {k!r} has an invalid shape {shape!r}")
         if len(offs) != 2 or any(type(o) is not int for o in offs) or not 0 <= offs[0] <= offs[1] <= data_len:
             raise FormatError(f"{where}: entry {k!r} has data_offsets {offs!r} outside the file's {data_len} data bytes")
-        size = dtypes.itemsize(v.get("dtype"))
+        try:
+            size = dtypes.itemsize(v.get("dtype"))
+        except FormatError as e:
+            raise FormatError(f"{where}: entry {k!r}: {e}") from None
         numel = 1
         for s in shape:
             numel *= s

@@ -69,7 +69,13 @@ class DataFiles:
         The header is not covered by the chunk checksums, so this is what turns a damaged header into
         an error naming the file instead of a checkpoint that no longer opens with other tools.
         """
-        entries, _ = read_header(fd, self.meta.files[fidx].nbytes, f"data file {path}")
+        file_meta: dict = {}
+        entries, _ = read_header(fd, self.meta.files[fidx].nbytes, f"data file {path}", file_meta)
+        if file_meta.get("format") != "hyperdcp":
+            raise CorruptionError(
+                f"data file {path}: its header's __metadata__ is {file_meta!r}, not {{'format': 'hyperdcp'}}; the "
+                "file is corrupted or was replaced; restore it or load another checkpoint"
+            )
         if self._by_file is None:
             by_file: dict[int, dict[str, tuple]] = {}
             for fqn, t in self.meta.tensors.items():

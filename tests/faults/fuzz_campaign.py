@@ -1,0 +1,325 @@
+"""Hostile-checkpoint fuzzing of the metadata reader, the data-file header reader and the whole load.
+
+    python -m tests.faults.fuzz_campaign --trials 20000 [--seed 0]
+
+Each trial takes a valid checkpoint and either (a) mutates one node of its metadata JSON (then
+re-signs it, so the mutation reaches the validator instead of stopping at the checksum), (b) mutates
+raw metadata bytes, (c) rewrites a data file's safetensors header (fixing the length prefix), or
+(d) plants hostile file-system objects (a symlink, a FIFO, a directory) under a data file's name or the
+metadata's. Then it reads the metadata, reads the header and loads the checkpoint. Required:
+
+* only hyperdcp.CheckpointError subclasses come out (or a successful load of a re-signed variant);
+* no hang (each trial has a deadline, SIGALRM);
+* no file opened outside the checkpoint directory (an audit hook records every open);
+* bounded memory (tracemalloc peak per trial), whatever sizes the files declare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import random
+import shutil
+import signal
+import struct
+import sys
+import tempfile
+import time
+import tracemalloc
+
+import numpy as np
+import xxhash
+
+import hyperdcp
+from hyperdcp.storage.data_file import read_header
+
+META = "hyperdcp.json"
+MEM_LIMIT = 64 << 20
+
+_watch = {"root": None, "outside": []}
+
+
+def _audit(event, args):
+    root = _watch["root"]
+    if root is None or event != "open" or not args or not isinstance(args[0], (str, bytes, os.PathLike)):
+        return
+    lexical = os.path.abspath(os.fsdecode(args[0]))
+    if lexical.endswith((".py", ".pyc", ".so")) and any(lexical.startswith(os.path.abspath(d) + os.sep) for d in sys.path if d):
+        return  # lazy imports of modules
+    real = os.path.realpath(lexical)
+    flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+
+    def inside(p):
+        return p == root or p.startswith(root + os.sep)
+
+    # violations: naming a path outside the checkpoint, or opening a link that leads outside it
+    # (an open with O_NOFOLLOW of a link fails with ELOOP and reads nothing)
+    if not inside(lexical) or (not inside(real) and not flags & os.O_NOFOLLOW):
+        _watch["outside"].append(f"{lexical} -> {real} flags={flags:#o}")
+
+
+_hooked = False
+
+
+def install_audit_hook() -> None:
+    global _hooked
+    if not _hooked:
+        sys.addaudithook(_audit)
+        _hooked = True
+
+
+def sign(doc: dict) -> bytes:
+    """The metadata bytes for ``doc`` with a valid self-checksum (as Metadata.to_json writes it)."""
+    body = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+    body = body[:-1] + b',"metadata_checksum":"' + b"0" * 16 + b'"}\n'
+    digest = b"%016x" % xxhash.xxh3_64_intdigest(body)
+    return body[:-19] + digest + b'"}\n'
+
+
+def make_state() -> dict:
+    rng = np.random.default_rng(0)
+    return {"w": rng.standard_normal((8, 6)).astype(np.float32), "b": np.arange(5, dtype=np.int64),
+            "s": np.array(1.5), "step": 3, "cfg": {"lr": 0.1, "ids": (1, 2)}}
+
+
+def zeros(state: dict) -> dict:
+    return {k: (np.zeros_like(v) if isinstance(v, np.ndarray) else None) for k, v in state.items()}
+
+
+HOSTILE_STRINGS = ["../outside.bin", "/etc/passwd", "..", ".", "", "a/b", "x" * 300, "hyperdcp.json", "\x00",
+                   "../../../../../../tmp/x", "F32", "BF16", "none", "pickle", "__reduce__", "r00000-00.safetensors"]
+HOSTILE_INTS = [0, -1, 1, 2, 7, 8, 2**31, 2**62, 2**63, 2**64, -(2**63), 10**30, 1 << 40]
+
+
+def random_value(rng: random.Random, depth: int = 0):
+    r = rng.random()
+    if r < 0.35:
+        return rng.choice(HOSTILE_INTS + [rng.randrange(-100, 10**6)])
+    if r < 0.55:
+        return rng.choice(HOSTILE_STRINGS)
+    if r < 0.65:
+        return rng.choice([None, True, False, 1.5, -0.0, 1e308])
+    if r < 0.85 and depth < 3:
+        return [random_value(rng, depth + 1) for _ in range(rng.randrange(0, 4))]
+    if depth < 3:
+        return {rng.choice(HOSTILE_STRINGS + ["dtype", "shape", "chunks"]): random_value(rng, depth + 1)
+                for _ in range(rng.randrange(0, 3))}
+    return rng.choice([[], {}, [[[[]]]]])
+
+
+def nodes(doc, path=()):
+    yield path
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from nodes(v, path + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from nodes(v, path + (i,))
+
+
+def mutate_doc(doc: dict, rng: random.Random, value_fn=None) -> dict:
+    doc = copy.deepcopy(doc)
+    paths = [p for p in nodes(doc) if p and p[-1] != "metadata_checksum"]
+    for _ in range(rng.choice([1, 1, 1, 2, 3])):
+        p = rng.choice(paths)
+        parent = doc
+        for k in p[:-1]:
+            parent = parent[k]
+        op = rng.random()
+        try:
+            if op < 0.75:
+                parent[p[-1]] = copy.deepcopy(value_fn()) if value_fn else random_value(rng)
+            elif op < 0.9:
+                del parent[p[-1]]
+            elif isinstance(parent, list):
+                parent.append(copy.deepcopy(parent[p[-1]]))
+            else:
+                parent[p[-1] + "_x" if isinstance(p[-1], str) else p[-1]] = random_value(rng)
+        except (KeyError, IndexError, TypeError):
+            pass
+        paths = [q for q in nodes(doc) if q and q[-1] != "metadata_checksum"] or paths
+    return doc
+
+
+def mutate_bytes(raw: bytes, rng: random.Random) -> bytes:
+    b = bytearray(raw)
+    for _ in range(rng.randint(1, 8)):
+        op = rng.random()
+        at = rng.randrange(len(b) + 1)
+        if op < 0.4 and b:
+            b[min(at, len(b) - 1)] = rng.randrange(256)
+        elif op < 0.6:
+            b[at:at] = rng.choice([b"[" * 5000, b"{", b"\x00", b'"', b"9" * 5000, b"-", b"\xff\xfe"])
+        elif op < 0.8:
+            del b[at : at + rng.randint(1, 50)]
+        else:
+            b = b[:at]
+    return bytes(b)
+
+
+def build(root: str) -> tuple[str, dict]:
+    state = make_state()
+    path = os.path.join(root, "pristine")
+    hyperdcp.save(state, path, checksum_block_bytes=64, files_per_rank=2)
+    return path, state
+
+
+class Hang(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise Hang()
+
+
+def one_trial(pristine: str, state: dict, work: str, rng: random.Random, kind: str | None = None,
+              value_fn=None, deadline_s: int = 10) -> dict:
+    path = os.path.join(work, "ckpt")
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.copytree(pristine, path, symlinks=True)
+    outside = os.path.join(work, "outside.bin")
+    with open(outside, "wb") as f:
+        f.write(b"\x00" * 4096)
+    raw = open(os.path.join(path, META), "rb").read()
+    doc = json.loads(raw)
+    del doc["metadata_checksum"]
+    data_files = sorted(f["name"] for f in doc["files"])
+    kind = kind or rng.choice(["doc", "doc", "doc", "bytes", "header", "fsobj"])
+    info = {"kind": kind}
+    if kind == "doc":
+        new = sign(mutate_doc(doc, rng, value_fn))
+        open(os.path.join(path, META), "wb").write(new)
+    elif kind == "bytes":
+        new = mutate_bytes(raw, rng)
+        if rng.random() < 0.5:  # re-sign what still parses as the trailer's body
+            new = new.split(b',"metadata_checksum"')[0]
+            new = new + b',"metadata_checksum":"' + b"0" * 16 + b'"}\n'
+            new = new[:-19] + b"%016x" % xxhash.xxh3_64_intdigest(new) + b'"}\n'
+        open(os.path.join(path, META), "wb").write(new)
+    elif kind == "header":
+        name = rng.choice(data_files)
+        fp = os.path.join(path, name)
+        blob = open(fp, "rb").read()
+        (n,) = struct.unpack("<Q", blob[:8])
+        head = json.loads(blob[8 : 8 + n])
+        if rng.random() < 0.7:
+            head = mutate_doc(head, rng, value_fn)
+            hb = json.dumps(head).encode()
+            hb += b" " * (-len(hb) % 8)
+        else:
+            hb = mutate_bytes(blob[8 : 8 + n], rng)
+        prefix = struct.pack("<Q", len(hb)) if rng.random() < 0.8 else struct.pack("<Q", rng.choice([0, 7, 2**63, 2**64 - 1, len(hb) + 10**6]))
+        open(fp, "wb").write(prefix + hb + blob[8 + n :])
+    else:
+        victim = rng.choice(data_files + [META])
+        fp = os.path.join(path, victim)
+        os.unlink(fp)
+        what = rng.choice(["symlink", "fifo", "dir", "symlink-dir"])
+        info["fsobj"] = what
+        if what == "symlink":
+            os.symlink(outside, fp)
+        elif what == "fifo":
+            os.mkfifo(fp)
+        elif what == "dir":
+            os.mkdir(fp)
+        else:
+            os.symlink(work, fp)
+    root = os.path.abspath(path)
+    _watch["root"], _watch["outside"] = root, []
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(deadline_s)
+    tracemalloc.start()
+    try:
+        try:
+            meta = hyperdcp.read_metadata(path)
+            info["metadata"] = "valid"
+        except hyperdcp.CheckpointError as e:
+            info["metadata"] = type(e).__name__
+            meta = None
+        for name in data_files:
+            fp = os.path.join(path, name)
+            try:
+                fd = os.open(fp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
+                continue
+            try:
+                if os.path.isfile(fp):
+                    read_header(fd, os.fstat(fd).st_size, fp)
+            except hyperdcp.CheckpointError:
+                pass
+            finally:
+                os.close(fd)
+        out = zeros(state)
+        try:
+            hyperdcp.load(out, path, strict=False)
+            info["load"] = "ok"
+        except hyperdcp.CheckpointError as e:
+            info["load"] = type(e).__name__
+        try:
+            hyperdcp.verify_checkpoint(path, threads=2)
+        except hyperdcp.CheckpointError:
+            pass
+        info["outcome"] = "ok"
+    except Hang:
+        info["outcome"] = "HANG"
+    except Exception as e:  # noqa: BLE001
+        import traceback
+
+        info["outcome"] = "ESCAPED"
+        info["error"] = f"{type(e).__name__}: {e}"[:500]
+        info["tb"] = traceback.format_exc()[-1500:]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        _watch["root"] = None
+    info["peak_bytes"] = peak
+    if peak > MEM_LIMIT and info["outcome"] == "ok":
+        info["outcome"] = "MEMORY"
+    bad = list(_watch["outside"])
+    if bad and info["outcome"] == "ok":
+        info["outcome"] = "OUTSIDE"
+        info["outside"] = bad[:5]
+    return info
+
+
+def campaign(trials: int, seed: int = 0, log=print) -> dict:
+    install_audit_hook()
+    rng = random.Random(seed)
+    counts: dict[str, int] = {}
+    failures = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="hdcp-fuzz-") as work:
+        pristine, state = build(work)
+        for i in range(trials):
+            info = one_trial(pristine, state, work, rng)
+            for k in ("outcome", "kind"):
+                counts[f"{k}:{info[k]}"] = counts.get(f"{k}:{info[k]}", 0) + 1
+            counts[f"load:{info.get('load')}"] = counts.get(f"load:{info.get('load')}", 0) + 1
+            if info["outcome"] != "ok":
+                failures.append(info)
+                log(f"trial {i}: {info}")
+    return {"trials": trials, "seed": seed, "seconds": round(time.perf_counter() - t0, 1), "counts": counts,
+            "failures": failures}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=int, default=20000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    res = campaign(a.trials, a.seed)
+    print(json.dumps({k: v for k, v in res.items() if k != "failures"}, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    print("PASS" if not res["failures"] else f"FAIL: {len(res['failures'])} trial(s)")
+    return 0 if not res["failures"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

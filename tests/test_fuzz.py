@@ -1,0 +1,198 @@
+"""Hostile checkpoints (issue 5): fuzzed metadata and headers yield only CheckpointError subclasses, never
+a hang, an escape from the checkpoint directory, an absurd allocation, or code execution.
+
+The long campaign: ``python -m tests.faults.fuzz_campaign --trials 20000`` (docs/RELIABILITY.md).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import pathlib
+import random
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hyperdcp
+from hyperdcp.format.metadata import Metadata
+from hyperdcp.storage.data_file import read_header
+from tests.faults import fuzz_campaign as fz
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=False)
+    | st.sampled_from(fz.HOSTILE_STRINGS) | st.text(max_size=8),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=3),
+    max_leaves=12,
+)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    fz.install_audit_hook()
+    work = tmp_path_factory.mktemp("fuzz")
+    path, state = fz.build(str(work))
+    return path, state, str(work)
+
+
+@SETTINGS
+@given(st.binary(max_size=2000))
+def test_metadata_reader_random_bytes(raw):
+    try:
+        Metadata.from_json(raw)
+    except hyperdcp.CheckpointError:
+        pass
+
+
+@SETTINGS
+@given(st.randoms(use_true_random=False), json_values)
+def test_metadata_reader_resigned_mutations(pristine, rnd, value):
+    path, _, _ = pristine
+    doc = json.loads(open(os.path.join(path, "hyperdcp.json"), "rb").read())
+    del doc["metadata_checksum"]
+    raw = fz.sign(fz.mutate_doc(doc, rnd, lambda: value))
+    try:
+        Metadata.from_json(raw)
+    except hyperdcp.CheckpointError:
+        pass
+
+
+@SETTINGS
+@given(st.binary(max_size=600), st.integers(min_value=0, max_value=2**64 - 1) | st.none())
+def test_header_reader_random_files(tmp_path_factory, body, declared):
+    p = tmp_path_factory.mktemp("h") / "f.safetensors"
+    prefix = struct.pack("<Q", len(body) if declared is None else declared)
+    p.write_bytes(prefix + body)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        read_header(fd, os.fstat(fd).st_size, str(p))
+    except hyperdcp.CheckpointError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@SETTINGS
+@given(st.randoms(use_true_random=False), st.sampled_from(["doc", "bytes", "header", "fsobj"]), json_values)
+def test_hostile_checkpoint_full_load(pristine, rnd, kind, value):
+    path, state, work = pristine
+    info = fz.one_trial(path, state, work, rnd, kind=kind, value_fn=lambda: value)
+    assert info["outcome"] == "ok", info
+
+
+def _resign(path, edit):
+    raw = open(os.path.join(path, "hyperdcp.json"), "rb").read()
+    doc = json.loads(raw)
+    del doc["metadata_checksum"]
+    edit(doc)
+    open(os.path.join(path, "hyperdcp.json"), "wb").write(fz.sign(doc))
+
+
+@pytest.mark.parametrize("name", ["../outside.bin", "/etc/passwd", "..", "a/../../x", ".hidden"])
+def test_path_traversal_names_rejected(tmp_path, name):
+    path, _ = fz.build(str(tmp_path))
+    _resign(path, lambda d: d["files"][0].__setitem__("name", name))
+    with pytest.raises(hyperdcp.FormatError, match="plain, unique file name"):
+        hyperdcp.read_metadata(path)
+
+
+def test_symlinked_data_file_is_refused(tmp_path):
+    path, state = fz.build(str(tmp_path))
+    outside = tmp_path / "outside.bin"
+    name = hyperdcp.read_metadata(path).files[0].name
+    os.replace(os.path.join(path, name), outside)
+    os.symlink(outside, os.path.join(path, name))
+    with pytest.raises(hyperdcp.FormatError, match="symbolic link"):
+        hyperdcp.load(fz.zeros(state), path)
+
+
+def test_fifo_metadata_does_not_hang(tmp_path):
+    path, state = fz.build(str(tmp_path))
+    os.unlink(os.path.join(path, "hyperdcp.json"))
+    os.mkfifo(os.path.join(path, "hyperdcp.json"))
+    with pytest.raises(hyperdcp.FormatError, match="not a regular file"):
+        hyperdcp.load(fz.zeros(state), path)
+
+
+def test_absurd_declared_sizes_are_checked_before_allocation(tmp_path):
+    import tracemalloc
+
+    path, state = fz.build(str(tmp_path))
+
+    def huge(d):
+        d["files"][0]["bytes"] = 1 << 50
+        t = d["tensors"]["w"]
+        t["shape"] = [1 << 22, 1 << 20]
+        t["chunks"] = {"offsets": [[0, 0]], "lengths": [[1 << 22, 1 << 20]], "file": [0], "begin": [0],
+                       "end": [(1 << 42) * 4], "checksums": ["0" * 16 * 16]}  # 16 blocks of 1 TiB
+        d["checksum"]["block_bytes"] = 1 << 40
+        d["tensors"] = {"w": t}
+        d["files"] = d["files"][:1]
+        d["values"] = {}
+
+    _resign(path, huge)
+    tracemalloc.start()
+    try:
+        meta = hyperdcp.read_metadata(path)  # consistent on paper: 16 TiB in a 1 PiB file
+        assert meta.files[0].nbytes == 1 << 50
+        with pytest.raises(hyperdcp.CorruptionError, match="metadata records"):
+            _load_slice(path)
+        rep = hyperdcp.verify_checkpoint(path)
+        assert not rep.ok and "metadata records" in rep.file_errors[0]
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert peak < 64 << 20
+
+
+def _load_slice(path):
+    # a rank holding a 1-row shard of the absurd tensor: its read is sized by the metadata, so the file
+    # must be checked first
+    from hyperdcp.loading import DataFiles, read_chunk
+    from hyperdcp.planning.load_plan import ChunkRead
+
+    meta = hyperdcp.read_metadata(path)
+    files = DataFiles(path, meta)
+    try:
+        read_chunk(files, meta, ChunkRead("w", 0, 0, 0, 0, (1 << 42) * 4), verify=True)
+    finally:
+        files.close()
+
+
+def test_no_code_in_a_checkpoint_runs_on_load(tmp_path, monkeypatch):
+    """Nothing is unpickled or evaluated: the load path has no pickle/eval/exec/torch.load, and a value
+    whose tag asks for any of them is a FormatError."""
+    src = pathlib.Path(hyperdcp.__file__).parent
+    for f in src.rglob("*.py"):
+        tree = ast.parse(f.read_text(), str(f))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                assert not any(n.split(".")[0] in ("pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve") for n in names), f
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id not in ("eval", "exec", "compile", "__import__"), f"{f}:{node.lineno}"
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load":
+                base = node.func.value
+                assert not (isinstance(base, ast.Name) and base.id in ("torch", "pickle", "np", "numpy")), f"{f}:{node.lineno}"
+    import builtins
+    import pickle
+
+    def boom(*a, **k):
+        raise AssertionError("code execution attempted during load")
+
+    path, state = fz.build(str(tmp_path))
+    for tag in (["pickle", "gASVCAAAAAAAAACMBHRlc3SULg=="], ["eval", "__import__('os').system('true')"],
+                ["np", "O", "00"], ["exec", "x"], ["object", "os.system"]):
+        _resign(path, lambda d: d["values"].__setitem__("step", tag))
+        monkeypatch.setattr(pickle, "loads", boom)
+        monkeypatch.setattr(pickle, "load", boom)
+        monkeypatch.setattr(builtins, "eval", boom)
+        with pytest.raises(hyperdcp.FormatError):
+            hyperdcp.load(fz.zeros(state), path)
+        monkeypatch.undo()
