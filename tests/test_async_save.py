@@ -88,6 +88,7 @@ def _failures(rank, world, root, mode):
     saver.TEST_FAULT = None
     with pytest.raises(hyperdcp.CheckpointError, match="boom-injected-fault") as ei:
         fut.result(timeout=60)
+    assert not isinstance(ei.value, TimeoutError)
     if rank == 1:
         assert "faulty" in ei.value.remote_traceback and "RuntimeError" in ei.value.original_type
     else:
@@ -106,8 +107,11 @@ def _failures(rank, world, root, mode):
         os.kill(fut.worker_pid, signal.SIGKILL)
     with pytest.raises(hyperdcp.CheckpointError) as ei:
         fut.result(timeout=60)
+    assert not isinstance(ei.value, TimeoutError)  # detected, not waited out
     if rank == 1:
-        assert isinstance(ei.value, PersistProcessDiedError) and "SIGKILL" in str(ei.value)
+        assert isinstance(ei.value, PersistProcessDiedError) and "SIGKILL" in str(ei.value), repr(ei.value)
+    else:
+        assert "rank 1" in str(ei.value), ei.value
     back = {"w": torch.zeros(4, 3), "step": 0}
     hyperdcp.load(back, f"{root}/ok")  # the previous checkpoint is intact
     assert torch.equal(back["w"], torch.arange(12.0).reshape(4, 3)) and back["step"] == 1

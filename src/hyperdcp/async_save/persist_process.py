@@ -50,6 +50,39 @@ def _gloo_coordinator(msg: dict):
     return TorchCoordinator()
 
 
+def _watch_abort(msg: dict, conn: Connection, send_lock: threading.Lock, stop: threading.Event) -> None:
+    """Gloo mode: a dead peer persist process is announced in the TCPStore by its training process.
+
+    A collective blocked on that peer may never return, so this thread reports the error to the
+    training process and ends this (now unusable) persist process; the next save starts a new one.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    key = f"hyperdcp-abort/{msg['rdzv_prefix']}/{msg['seq']}"
+    try:
+        store = dist.TCPStore(msg["host"], int(msg["port"]), is_master=False, timeout=timedelta(seconds=30))
+    except Exception:  # noqa: BLE001 - no watcher; the group's timeout still bounds the wait
+        return
+    while not stop.wait(0.2):
+        try:
+            if not store.check([key]):
+                continue
+            why = store.get(key).decode("utf-8", "replace")
+        except Exception:  # noqa: BLE001
+            return
+        with send_lock:
+            if stop.is_set():
+                return
+            try:
+                conn.send({"ok": False, "type": "CoordinationError", "module": "hyperdcp.errors",
+                           "message": f"rank {msg['rank']}: the save of {msg['path']!r} was abandoned: {why}",
+                           "traceback": "", "rank_errors": {}})
+            finally:
+                os._exit(1)
+
+
 def _area(path: str, nbytes: int):
     from .staging import ShmArea
 
@@ -209,6 +242,7 @@ def _watch_parent(ppid: int) -> None:
 
 def main(fd: int) -> None:
     conn = Connection(fd)
+    send_lock = threading.Lock()
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     while True:
         try:
@@ -219,14 +253,19 @@ def main(fd: int) -> None:
         if op == "stop":
             break
         if op == "save":
+            stop = threading.Event()
+            if msg.get("mode") == "gloo":
+                threading.Thread(target=_watch_abort, args=(msg, conn, send_lock, stop), daemon=True).start()
             try:
                 reply = {"ok": True, **_save(msg)}
             except BaseException as e:  # noqa: BLE001 - everything goes back to the training process
                 reply = _error_reply(e)
-            try:
-                conn.send(reply)
-            except (OSError, EOFError):
-                break
+            with send_lock:
+                stop.set()
+                try:
+                    conn.send(reply)
+                except (OSError, EOFError):
+                    break
     if _STATE["pg_prefix"] is not None:
         try:
             import torch.distributed as dist
@@ -272,7 +311,10 @@ class PersistWorker:
         return self.proc.poll() is None
 
     def exit_description(self) -> str:
-        code = self.proc.poll()
+        try:
+            code = self.proc.wait(timeout=5)  # the socket can close a moment before the process is reaped
+        except subprocess.TimeoutExpired:
+            code = None
         if code is None:
             return "is still running"
         if code < 0:

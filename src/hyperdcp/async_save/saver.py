@@ -142,7 +142,7 @@ class _Session:
             "options": {f: getattr(opts, f) for f in _OPTION_FIELDS}, "cache": self._cache_entries(),
             "timeout": opts.timeout, "host": self.host, "port": self.port,
             "rdzv_prefix": f"hyperdcp-persist/{self.token}/{worker.started_at_seq}", "exchange_dir": xdir,
-            "save_id": f"{self.token}-{seq}", "fault": TEST_FAULT,
+            "save_id": f"{self.token}-{seq}", "fault": TEST_FAULT, "seq": seq,
         }
         if copy is not None:
             lay = copy.layout
@@ -176,6 +176,8 @@ class _Session:
             )
             if xdir:
                 write_abort(xdir, self.rank, str(err))
+            if msg["mode"] == "gloo":
+                self._announce_abort(f"hyperdcp-abort/{msg['rdzv_prefix']}/{msg['seq']}", str(err))
             self.restart = True
             fut._finish(None, err)
             return
@@ -190,6 +192,19 @@ class _Session:
         if self.mode == "gloo":
             self.restart = True  # the persist group may be unusable after a failed collective
         fut._finish(None, _rebuild(reply, self.rank, fut.path))
+
+    def _announce_abort(self, key: str, why: str) -> None:
+        """Gloo mode: tell the other persist processes (through the TCPStore) to give up this save."""
+        try:
+            import datetime
+
+            import torch.distributed as dist
+
+            store = self.store or dist.TCPStore(self.host, self.port, is_master=False,
+                                                timeout=datetime.timedelta(seconds=30))
+            store.set(key, why.encode())
+        except Exception:  # noqa: BLE001 - the others still fail at their group's timeout
+            pass
 
     def _absorb_cache(self, entries: list) -> None:
         import numpy as np
