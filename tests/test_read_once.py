@@ -133,3 +133,19 @@ def test_corruption_fails_every_rank_without_hanging(ckpt, tmp_path):
     res = run_ranks(4, _corrupt_load, bad, timeout=120)
     assert "no error" not in res
     assert "CorruptionError" in res
+
+
+def _cuda_load(rank, world, path):
+    state = {"model": {n.split(".", 1)[1]: torch.zeros_like(full(n)).cuda() for n in {**GLOBAL, **REPLICATED}}}
+    res = hyperdcp.load(state, path, read_once=True, strict=False)
+    for name, got in state["model"].items():
+        assert got.device.type == "cuda"
+        assert torch.equal(got.cpu().view(torch.uint8), full("model." + name).view(torch.uint8)), name
+    return res.bytes_read
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_destinations(ckpt):
+    """Device tensors on every rank (gloo coordination, host staging): still read once, bit-exact."""
+    res = run_ranks(2, _cuda_load, ckpt, timeout=300)
+    assert sum(res) == hyperdcp.read_metadata(ckpt).tensor_bytes
