@@ -145,31 +145,42 @@ class Stager:
     def __init__(self) -> None:
         self.area: ShmArea | None = None
         self.layout: Layout | None = None
-        self._boxes: dict[tuple, tuple[Box, tuple[int, ...] | None, str]] = {}
+        self._boxes: dict[tuple, ShardedTensor] = {}
+        self._built: tuple | None = None
+        self._tad = None
 
     # -- describing the state dict ---------------------------------------------------------
     def _torch_leaf(self, fqn: str, value, ctx) -> tuple[ShardedTensor, Any]:
-        from ..adapters import torch as tad
+        """The (cached) description of a torch leaf and its local tensor; no bytes are touched here."""
+        tad = self._tad
+        if tad is None:
+            from ..adapters import torch as tad
 
+            self._tad = tad
         if isinstance(value, tad.DTensor):
-            local = value.to_local()
-            mesh = value.device_mesh
-            key = (fqn, tuple(value.shape), value.dtype, tuple(value.placements), id(mesh))
-            hit = self._boxes.get(key)
-            if hit is None:
-                hit = (tad.dtensor_box(fqn, value), tad.replica_ranks(value, ctx), tad.dtype_code(fqn, value.dtype))
-                self._boxes[key] = hit
-            box, reps, code = hit
-            shape = tuple(int(s) for s in value.shape)
-            if tuple(local.shape) != box.lengths:
-                raise StateDictError(f"{fqn!r}: local shard shape {tuple(local.shape)} does not match its placement box {box}")
+            local = value._local_tensor  # what to_local() returns, without the autograd wrapper
+            key = (fqn, tuple(value.shape), value.dtype, tuple(value.placements), id(value.device_mesh))
         else:
             local = value
-            box, reps, code = full_box(value.shape), tuple(range(ctx.world_size)), tad.dtype_code(fqn, value.dtype)
-            shape = box.lengths
-        n = box.numel * tad.TORCH_DTYPE[code].itemsize
-        sh = LocalShard(box, np.broadcast_to(_ONE, (n,)), reps)  # placeholder: no bytes are touched here
-        return ShardedTensor(fqn, code, shape, [sh] if box.numel else []), local.detach()
+            key = (fqn, tuple(value.shape), value.dtype, None, ctx.world_size)
+        st = self._boxes.get(key)
+        if st is None:
+            if isinstance(value, tad.DTensor):
+                box, reps = tad.dtensor_box(fqn, value), tad.replica_ranks(value, ctx)
+            else:
+                box, reps = full_box(value.shape), tuple(range(ctx.world_size))
+            code = tad.dtype_code(fqn, value.dtype)
+            n = box.numel * tad.TORCH_DTYPE[code].itemsize
+            sh = LocalShard(box, np.broadcast_to(_ONE, (n,)), reps)  # placeholder buffer
+            shape = tuple(int(x) for x in value.shape)
+            st = ShardedTensor(fqn, code, shape, [sh] if box.numel else [])
+            if len(self._boxes) > 1 << 16:
+                self._boxes.clear()
+            self._boxes[key] = st
+        if st.shards and tuple(local.shape) != st.shards[0].box.lengths:
+            raise StateDictError(f"{fqn!r}: local shard shape {tuple(local.shape)} does not match its placement box "
+                                 f"{st.shards[0].box}")
+        return st, local
 
     def describe(self, state_dict: Any, ctx) -> tuple[list[ShardedTensor], dict[int, Any], dict[str, Any]]:
         if not isinstance(state_dict, dict) and not hasattr(state_dict, "state_dict"):
@@ -224,21 +235,24 @@ class Stager:
         """Copy every local shard of ``state_dict`` into the area; return when the copy is complete."""
         t0 = time.perf_counter()
         tensors, sources, vals = self.describe(state_dict, ctx)
-        plan, chunks = LocalPlan.build(tensors, list(vals))
+        ident = (tuple(map(id, tensors)), tuple(vals))
+        if self._built is not None and self._built[0] == ident:
+            plan, chunks = self._built[1], self._built[2]  # same cached descriptions: same plan
+        else:
+            plan, chunks = LocalPlan.build(tensors, list(vals))
+            self._built = (ident, plan, chunks)
         lay, first = self._layout_for(plan, chunks)
         srcs = [sources[id(sh)] for _, sh in chunks]
         torch_mod = sys.modules.get("torch")
         cuda = []
         if torch_mod is not None and any(isinstance(s, torch_mod.Tensor) for s in srcs):
             dst_t = self._torch_dsts(lay, chunks)
-            for i, s in enumerate(srcs):
-                if isinstance(s, torch_mod.Tensor):
-                    if s.device.type == "cpu":
-                        dst_t[i].copy_(s)
-                    else:
-                        cuda.append(i)
-                else:
-                    np.copyto(lay.dst_np[i], s)
+            grad_mode = torch_mod.is_grad_enabled()
+            torch_mod.set_grad_enabled(False)  # copies of parameters must not join any autograd graph
+            try:
+                self._copy_all(torch_mod, srcs, dst_t, lay, cuda)
+            finally:
+                torch_mod.set_grad_enabled(grad_mode)
             if cuda:
                 self._copy_from_devices(torch_mod, [srcs[i] for i in cuda], [dst_t[i] for i in cuda])
         else:
@@ -246,6 +260,18 @@ class Stager:
                 np.copyto(d, s)
         replicas = [sh.replica_ranks for _, sh in chunks]
         return StagedCopy(lay, self.area, vals, replicas, time.perf_counter() - t0, first)
+
+    @staticmethod
+    def _copy_all(torch_mod, srcs: list, dst_t: list, lay: Layout, cuda: list) -> None:
+        tensor = torch_mod.Tensor
+        for i, s in enumerate(srcs):
+            if isinstance(s, tensor):
+                if s.device.type == "cpu":
+                    dst_t[i].copy_(s)
+                else:
+                    cuda.append(i)  # copied on a side stream afterwards
+            else:
+                np.copyto(lay.dst_np[i], s)
 
     def _copy_from_devices(self, torch, srcs: list, dsts: list) -> None:
         """Device-to-host copies on a side stream per device, ordered after the producer stream."""
