@@ -186,7 +186,12 @@ def _save(msg: dict) -> dict:
 
         staged = StateDictError(f"staging on rank {msg['rank']} failed: {msg['stage_error']}")
     else:
-        staged = _staged(msg)
+        try:
+            staged = _staged(msg)
+        except Exception as e:  # noqa: BLE001 - persist() reports it to every rank
+            if msg["mode"] in ("none", "local"):
+                raise
+            staged = e
     rank, W, mode = msg["rank"], msg["world_size"], msg["mode"]
     _inject(msg.get("fault"), rank)
     try:
@@ -252,6 +257,13 @@ def main(fd: int) -> None:
         op = msg.get("op")
         if op == "stop":
             break
+        if op == "drop":  # the training process is about to free the staging area
+            if _STATE["area"] is not None:
+                _STATE["area"].close()
+                _STATE["area"] = None
+            with send_lock:
+                conn.send({"ok": True})
+            continue
         if op == "save":
             stop = threading.Event()
             if msg.get("mode") == "gloo":
@@ -260,6 +272,9 @@ def main(fd: int) -> None:
                 reply = {"ok": True, **_save(msg)}
             except BaseException as e:  # noqa: BLE001 - everything goes back to the training process
                 reply = _error_reply(e)
+            area = _STATE["area"]
+            if area is not None:
+                reply["mapped"] = area.path
             with send_lock:
                 stop.set()
                 try:

@@ -55,6 +55,7 @@ class _Session:
         self.coord, self.mode = coord, mode
         self.rank, self.world_size = coord.rank, coord.world_size
         self.stager = Stager()
+        self.stager.before_new_area = self._drop_child_area
         self.seq = 0
         self.worker: PersistWorker | None = None
         self.restart = False
@@ -90,6 +91,8 @@ class _Session:
         if w is not None and (self.restart or not w.alive()):
             w.kill()
             w = None
+            if self.stager.area is not None and self.stager.area.unlinked:
+                self.stager.release()  # the new process cannot open an unlinked area: stage into a new one
         if w is None:
             w = self.worker = PersistWorker(self.rank, seq)
             self.restart = False
@@ -124,12 +127,12 @@ class _Session:
         path = os.path.abspath(os.fspath(path))
         seq = self.seq
         self.seq += 1
+        worker = self._worker(seq)  # before staging: a replaced process needs a fresh staging area
         stage_error: BaseException | None = None
         try:
             copy = self.stager.stage(state_dict, self.coord)
         except Exception as e:  # noqa: BLE001 - the other ranks must learn of it too
             stage_error, copy = e, None
-        worker = self._worker(seq)
         mode = self.mode if (self.world_size > 1 or self.mode == "none") else "local"
         parent, name = os.path.split(path.rstrip(os.sep))
         xdir = None
@@ -185,6 +188,7 @@ class _Session:
             self.restart = True
             fut._finish(None, AsyncSaveError(f"rank {self.rank}: sending the save of {fut.path!r} failed: {e}"))
             return
+        self._unlink_mapped(reply.get("mapped"))
         if reply.get("ok"):
             self._absorb_cache(reply.get("cache", []))
             fut._finish(SaveResult(**reply["result"]), None)
@@ -192,6 +196,21 @@ class _Session:
         if self.mode == "gloo":
             self.restart = True  # the persist group may be unusable after a failed collective
         fut._finish(None, _rebuild(reply, self.rank, fut.path))
+
+    def _drop_child_area(self) -> None:
+        w = self.worker
+        if w is not None and w.alive():
+            try:
+                w.request({"op": "drop"})
+            except (EOFError, OSError):
+                pass
+
+    def _unlink_mapped(self, path: str | None) -> None:
+        """Once the persist process has mapped the staging area, its name can go: nothing leaks in /dev/shm
+        even if this process ends through os._exit or a signal."""
+        area = self.stager.area
+        if path and area is not None and area.path == path:
+            area.unlink()
 
     def _announce_abort(self, key: str, why: str) -> None:
         """Gloo mode: tell the other persist processes (through the TCPStore) to give up this save."""
@@ -330,6 +349,10 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, options: SaveOptions
             sess = _SESSIONS[key] = _Session(coord, coordination)
             if not _ATEXIT:
                 atexit.register(_at_exit)
+                # processes started by multiprocessing leave through os._exit (no atexit): its finalizers run
+                import multiprocessing.util as mpu
+
+                mpu.Finalize(None, _at_exit, exitpriority=100)
                 _ATEXIT = True
     sess.coord = coord
     return sess.save(state_dict, os.fspath(path), opts, wait, os.fspath(exchange_dir) if exchange_dir else None)

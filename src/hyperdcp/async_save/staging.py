@@ -91,6 +91,17 @@ class ShmArea:
             self._cuda_registered = False
         return self._cuda_registered
 
+    unlinked = False
+
+    def unlink(self) -> None:
+        """Remove the name; the mappings stay valid until closed."""
+        if self.owner and not self.unlinked:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.unlinked = True
+
     def close(self) -> None:
         if self._cuda_registered:
             try:
@@ -106,11 +117,7 @@ class ShmArea:
             self.mm.close()
         except BufferError:  # a view is still alive somewhere; the mapping goes with the process
             pass
-        if self.owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        self.unlink()
 
 
 @dataclass
@@ -148,6 +155,8 @@ class Stager:
         self._boxes: dict[tuple, ShardedTensor] = {}
         self._built: tuple | None = None
         self._tad = None
+        #: called before a different structure replaces the area (the session makes the persist process unmap it)
+        self.before_new_area = None
 
     # -- describing the state dict ---------------------------------------------------------
     def _torch_leaf(self, fqn: str, value, ctx) -> tuple[ShardedTensor, Any]:
@@ -208,6 +217,8 @@ class Stager:
         key = xxhash.xxh3_128(plan.to_bytes()).digest()
         if self.layout is not None and self.layout.key == key and self.area is not None:
             return self.layout, False
+        if self.area is not None and self.before_new_area is not None:
+            self.before_new_area()  # the persist process unmaps the old area first
         self.release()  # never two areas at once: staging memory stays bounded by one copy
         sizes = np.array([sh.data.size for _, sh in chunks], dtype=np.int64)
         padded = (sizes + ALIGN - 1) // ALIGN * ALIGN
