@@ -7,6 +7,7 @@
 
 from ._version import __version__
 from .api import load, read_metadata, save
+from .async_save import AsyncSaveError, PersistProcessDiedError, SaveFuture, SaveInProgressError, async_save
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors
 from .format.metadata import Metadata
@@ -19,6 +20,11 @@ from .verify import verify_checkpoint
 __all__ = [
     "__version__",
     "save",
+    "async_save",
+    "SaveFuture",
+    "AsyncSaveError",
+    "PersistProcessDiedError",
+    "SaveInProgressError",
     "load",
     "read_metadata",
     "latest_checkpoint",

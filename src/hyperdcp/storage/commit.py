@@ -67,6 +67,11 @@ def read_metadata_bytes(path: str) -> bytes:
         fd = os.open(meta, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
                      | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
+        from ..async_save.rank_files import merged_metadata_bytes  # no-collectives async saves: merge rank files
+
+        merged = merged_metadata_bytes(path)
+        if merged is not None:
+            return merged
         raise IncompleteCheckpointError(
             f"incomplete checkpoint at {path!r}: it has no {METADATA_FILE} (the save did not finish or this is "
             "not a hyperdcp checkpoint); load an earlier checkpoint"
