@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,12 @@ class LoadResult:
 
 def fetch_metadata(coord: Coordinator, path: str) -> Metadata:
     """Rank 0 reads the commit record, every rank validates it; errors raise on every rank."""
+    from . import hf
+
+    from .async_save.rank_files import has_rank_files
+
+    if not has_rank_files(path) and hf.is_hf_source(path):  # no hyperdcp.json but safetensors files: HuggingFace
+        return hf.fetch_metadata(coord, path)
     raw = broadcast_checked(coord, f"reading the metadata of {path!r}", lambda: read_metadata_bytes(path), 0)
     return Metadata.from_json(raw, where=os.path.join(os.fspath(path), METADATA_FILE))
 
@@ -156,7 +162,13 @@ def plan_targets(leaves: list[LoadLeaf], meta: Metadata, coord: Coordinator, opt
 def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> LoadResult:
     t0 = time.perf_counter()
     meta = fetch_metadata(coord, path)
-    files = DataFiles(path, meta)
+    files = DataFiles(getattr(meta, "root", "") or path, meta)  # HF sources: the directory of the files
+    if opts.key_map is not None:
+        from .hf import rename_keys
+
+        meta = rename_keys(meta, opts.key_map)
+    if not getattr(meta, "has_checksums", True):  # HF safetensors files carry no hyperdcp checksums
+        opts = replace(opts, verify_checksums=False)
     try:
         def plan():
             if not isinstance(state_dict, dict) and not hasattr(state_dict, "state_dict"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Callable
 
 from .format.metadata import DEFAULT_BLOCK_BYTES
 
@@ -44,6 +44,9 @@ class LoadOptions:
     #: bound, per rank, on bytes read and packed (and on bytes received) per read-once batch; about
     #: twice this is in flight while the next batch is read during the current one's transfer
     read_once_batch_bytes: int = 256 << 20
+    #: rename checkpoint keys before matching them to the state dict: ``key_map(name) -> new name``
+    #: (None drops the key), e.g. to load HuggingFace names into a model with other names
+    key_map: Callable[[str], str | None] | None = None
 
 
 def resolve(cls, options, overrides: dict[str, Any]):
