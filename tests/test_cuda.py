@@ -34,7 +34,7 @@ def test_device_tensors_round_trip(tmp_path):
     sd = _state()
     hyperdcp.save(sd, tmp_path / "c")
     back = {k: torch.zeros_like(v) if torch.is_tensor(v) else 0 for k, v in sd.items()}
-    back["t"] = torch.zeros(48, 32, device="cuda").t()
+    back["t"] = torch.zeros(32, 48, device="cuda").t()  # non-contiguous destination of the saved shape
     hyperdcp.load(back, tmp_path / "c")
     for k in ("w", "h", "t"):
         assert back[k].device.type == "cuda" and _same(back[k], sd[k]), k
