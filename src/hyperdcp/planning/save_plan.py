@@ -262,49 +262,52 @@ def plan_global(plans: Sequence[LocalPlan]) -> GlobalPlan:
         raise MismatchError("ranks disagree on tensor ranks (box dimensions)")
     rows = np.concatenate([p.rows for p in plans if len(p.rows)]) if n else np.zeros((0, 1 + 2 * D), np.int64)
     tidx, offs, lens = rows[:, 0], rows[:, 1 : 1 + D], rows[:, 1 + D :]
-    rank = np.repeat(np.arange(W, dtype=np.int64), counts)
+    rank = np.repeat(np.arange(W, dtype=np.int32), counts)
     rank_first = np.cumsum(counts) - counts
 
-    if n:
-        bad = (offs.min(axis=0) < 0).any() | (lens.min(axis=0) < 0).any()
-        for d in range(D):
-            dim = np.array([s.shape[d] if d < len(s.shape) else 1 for s in specs], dtype=np.int64)
-            bad = bad | (offs[:, d] + lens[:, d] > dim[tidx]).any()
-        if bad:
-            spec_shape = np.array([list(s.shape) + [1] * (D - len(s.shape)) for s in specs], dtype=np.int64).reshape(T, D)
-            out = ((offs < 0) | (lens < 0) | (offs + lens > spec_shape[tidx])).any(axis=1)
-            i = int(np.argmax(out))
-            s = specs[tidx[i]]
-            nd = len(s.shape)
-            raise MismatchError(
-                f"tensor {s.fqn!r}: rank {rank[i]} holds box {Box(tuple(offs[i][:nd]), tuple(lens[i][:nd]))} "
-                f"outside the global shape {list(s.shape)}"
-            )
-    # boxes are in bounds, so (tensor, first element) identifies a box's start exactly
+    # bounds (per dimension), and two keys per box: its first and its last element in a global index
+    # space where tensor t occupies [base[t], base[t] + numel[t]). In bounds, the pair identifies the box.
     key = base[tidx]
+    last = key.copy()
+    bad = False
     for d in range(D):
-        key += offs[:, d] * strides[:, d][tidx]
+        dim = np.array([sp.shape[d] if d < len(sp.shape) else 1 for sp in specs], dtype=np.int64)
+        o, hi = offs[:, d], offs[:, d] + lens[:, d]
+        bad = bad or bool(n and (o.min() < 0 or (hi <= o).any() or (hi > dim[tidx]).any()))
+        st = strides[:, d][tidx]
+        key += o * st
+        hi -= 1
+        hi *= st
+        last += hi
+    if bad:
+        spec_shape = np.array([list(sp.shape) + [1] * (D - len(sp.shape)) for sp in specs], dtype=np.int64).reshape(T, D)
+        out = ((offs < 0) | (lens <= 0) | (offs + lens > spec_shape[tidx])).any(axis=1)
+        i = int(np.argmax(out))
+        sp = specs[tidx[i]]
+        nd = len(sp.shape)
+        raise MismatchError(
+            f"tensor {sp.fqn!r}: rank {rank[i]} holds box {Box(tuple(offs[i][:nd]), tuple(lens[i][:nd]))} "
+            f"outside the global shape {list(sp.shape)} (or empty)"
+        )
     order = np.lexsort((rank, key))
     key_s = key[order]
     new = np.ones(n, dtype=bool)
-    new[1:] = key_s[1:] != key_s[:-1]
+    np.not_equal(key_s[1:], key_s[:-1], out=new[1:])
     first = np.flatnonzero(new)
     U = len(first)
-    uid = np.cumsum(new) - 1
-    # equal starts must have equal lengths (else the boxes partially overlap): compare a hash of the lengths
-    lh = np.zeros(n, dtype=np.uint64)
-    for d in range(D):
-        lh = lh * np.uint64(0x100000001B3) ^ _mix(lens[:, d], d)
-    lh_s = lh[order]
-    same_len = lh_s == lh_s[first][uid]
-    if not same_len.all():
-        i = int(np.argmin(same_len))
-        s = specs[tidx[order[i]]]
-        nd = len(s.shape)
-        j = order[first[uid[i]]]
+    cnt = np.diff(np.append(first, n))
+    # equal first elements must come with equal last elements, else the boxes partially overlap
+    last_s = last[order]
+    same = last_s == np.repeat(last_s[first], cnt)
+    if not same.all():
+        i = int(np.argmin(same))
+        g = int(np.searchsorted(first, i, side="right")) - 1
+        a, b = order[i], order[first[g]]
+        sp = specs[tidx[a]]
+        nd = len(sp.shape)
         raise MismatchError(
-            f"tensor {s.fqn!r}: rank {rank[order[i]]} holds box {Box(tuple(offs[order[i]][:nd]), tuple(lens[order[i]][:nd]))} "
-            f"and rank {rank[j]} holds {Box(tuple(offs[j][:nd]), tuple(lens[j][:nd]))}: they partially overlap; "
+            f"tensor {sp.fqn!r}: rank {rank[a]} holds box {Box(tuple(offs[a][:nd]), tuple(lens[a][:nd]))} "
+            f"and rank {rank[b]} holds {Box(tuple(offs[b][:nd]), tuple(lens[b][:nd]))}: they partially overlap; "
             "shards of one tensor must be identical (replicas) or disjoint"
         )
     u_rows = order[first]
@@ -329,29 +332,18 @@ def plan_global(plans: Sequence[LocalPlan]) -> GlobalPlan:
         check_exact_cover(spec.fqn, spec.shape, u_off[sl, :nd], u_len[sl, :nd])
 
     nbytes = vol * itemsize[u_tidx]
-    cnt = np.diff(np.append(first, n))
     ranks_sorted = rank[order]
-    writer = np.full(U, -1, dtype=np.int64)
+    # the writer of unique box u is the holder at sorted position first[u] + pick[u]
+    pick = np.zeros(U, dtype=np.int64)
     single = cnt == 1
-    writer[single] = ranks_sorted[first[single]]
-    load = np.zeros(W, dtype=np.int64)
-    np.add.at(load, writer[single], nbytes[single])
+    load = np.bincount(ranks_sorted[first[single]], weights=nbytes[single], minlength=W).astype(np.int64)
     rep = np.flatnonzero(~single)
     if rep.size:
-        _assign_replicated(rep, first, cnt, ranks_sorted, nbytes, writer, load)
-
-    comb = uid * W + ranks_sorted
-    target = np.arange(U, dtype=np.int64) * W + writer
-    pos = np.searchsorted(comb, target)
-    if rep.size and not np.array_equal(comb[np.minimum(pos, n - 1)], target):
-        # a holder-set hash collided (astronomically unlikely): redo the replicated boxes exactly
-        load[:] = 0
-        np.add.at(load, writer[single], nbytes[single])
-        _assign_replicated(rep, first, cnt, ranks_sorted, nbytes, writer, load, exact=True)
-        target = np.arange(U, dtype=np.int64) * W + writer
-        pos = np.searchsorted(comb, target)
-    w_entry = order[pos]
-    w_local = w_entry - rank_first[rank[w_entry]]
+        _assign_replicated(rep, first, cnt, ranks_sorted, nbytes, pick, load, W)
+    wpos = first + pick
+    writer = ranks_sorted[wpos].astype(np.int64)
+    w_entry = order[wpos]
+    w_local = w_entry - rank_first[writer]
     by_writer = np.argsort(writer, kind="stable")
     per_rank = np.bincount(writer, minlength=W)
     rank_start = np.concatenate([[0], np.cumsum(per_rank)[:-1]])
@@ -362,29 +354,30 @@ def plan_global(plans: Sequence[LocalPlan]) -> GlobalPlan:
     return GlobalPlan(W, list(specs), list(ref.value_keys), u_tidx, u_off, u_len, writer, slot, assignments)
 
 
-def _assign_replicated(rep, first, cnt, ranks_sorted, nbytes, writer, load, exact: bool = False) -> None:
-    """Give each replicated unique chunk to one holder, balancing bytes.
+def _assign_replicated(rep, first, cnt, ranks_sorted, nbytes, pick, load, world: int) -> None:
+    """Choose a holder for each replicated unique chunk (``pick[u]``: position among its holders).
 
     Chunks are grouped by holder set (all chunks of one replica group share it); groups are processed
     largest first, and within a group chunks go largest first to the least-loaded holder. Groups with
-    the same chunk sizes and starting loads get the same pattern, computed once.
+    the same chunk sizes and starting loads get the same pattern, computed once. Holder sets are
+    compared by two 64-bit hashes; the pick is always a position among the chunk's own holders, so
+    even a hash collision could only cost balance, never correctness.
     """
-    if exact:
-        for u in rep[np.argsort(-nbytes[rep], kind="stable")]:
-            holders = ranks_sorted[first[u] : first[u] + cnt[u]]
-            w = int(holders[int(np.argmin(load[holders]))])
-            writer[u] = w
-            load[w] += nbytes[u]
-        return
-    h1 = np.add.reduceat(_mix(ranks_sorted, 0x9E3779B97F4A7C15), first)
-    h2 = np.add.reduceat(_mix(ranks_sorted, 0xD1B54A32D192ED03), first)
-    g_order = np.lexsort((h2[rep], h1[rep], cnt[rep]))
+    m1 = _mix(np.arange(world), 0x9E3779B97F4A7C15)
+    m2 = _mix(np.arange(world), 0xD1B54A32D192ED03)
+    starts = first[rep]
+    h1 = np.add.reduceat(m1[ranks_sorted], first)[rep]
+    h2 = np.add.reduceat(m2[ranks_sorted], first)[rep]
+    c = cnt[rep]
+    g_order = np.lexsort((h2, h1, c))
     r = rep[g_order]
+    h1, h2, c = h1[g_order], h2[g_order], c[g_order]
     brk = np.ones(len(r), dtype=bool)
-    brk[1:] = (h1[r][1:] != h1[r][:-1]) | (h2[r][1:] != h2[r][:-1]) | (cnt[r][1:] != cnt[r][:-1])
+    brk[1:] = (h1[1:] != h1[:-1]) | (h2[1:] != h2[:-1]) | (c[1:] != c[:-1])
     gstart = np.flatnonzero(brk)
     gend = np.append(gstart[1:], len(r))
     totals = np.add.reduceat(nbytes[r], gstart)
+    del starts
     memo: dict = {}
     for g in np.argsort(-totals, kind="stable"):
         boxes = r[gstart[g] : gend[g]]
@@ -397,7 +390,7 @@ def _assign_replicated(rep, first, cnt, ranks_sorted, nbytes, writer, load, exac
         pattern = memo.get(key)
         if pattern is None:
             pattern = memo[key] = _greedy(sizes, init)
-        writer[boxes] = members[pattern]
+        pick[boxes] = pattern
         load[members] += np.bincount(pattern, weights=sizes, minlength=len(members)).astype(np.int64)
 
 
