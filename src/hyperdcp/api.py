@@ -21,7 +21,7 @@ DEFAULT_PLAN_CACHE = PlanCache()
 
 def coordinator_for(process_group: Any = None, timeout: float | None = None) -> Coordinator:
     """torch.distributed when it is initialized (in the given group), else a single process."""
-    if "torch" in sys.modules:
+    if sys.modules.get("torch") is not None:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():

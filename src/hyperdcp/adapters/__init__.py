@@ -16,7 +16,7 @@ from . import numpy as _numpy
 def is_tensor_like(value: Any) -> bool:
     if _numpy.is_array(value):
         return True
-    if "torch" in sys.modules:
+    if sys.modules.get("torch") is not None:
         from . import torch as _torch
 
         return _torch.is_tensor(value)
@@ -35,7 +35,7 @@ def to_sharded(fqn: str, value: Any, ctx, for_load: bool) -> ShardedTensor:
 def describe(value: Any) -> str:
     if _numpy.is_array(value):
         return "numpy array"
-    if "torch" in sys.modules:
+    if sys.modules.get("torch") is not None:
         from . import torch as _torch
 
         if _torch.is_tensor(value):
