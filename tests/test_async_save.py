@@ -143,3 +143,63 @@ def test_single_process_numpy_and_values(tmp_path):
     assert back["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and back["t"].float().tolist() == [1, 1, 1] and back["x"] == {"lr": 0.1}
     with pytest.raises(hyperdcp.CheckpointExistsError):
         hyperdcp.async_save(state, tmp_path / "c").result(timeout=60)
+
+
+def test_warm_staging_detects_changes(tmp_path):
+    """The warm path (cached walk, descriptions and destinations) must stage exactly what the full path would."""
+    import hyperdcp
+    from hyperdcp.async_save import saver
+
+    def save_and_load(state, name, like):
+        fut = hyperdcp.async_save(state, tmp_path / name)
+        for v in state["m"].values():  # mutation right after return must not reach the checkpoint
+            if isinstance(v, torch.Tensor):
+                v.fill_(-9) if v.dtype.is_floating_point else None
+        fut.result(timeout=60)
+        hyperdcp.load(like, tmp_path / name)
+        return like, fut
+
+    def fresh(n=300):
+        return {"m": {f"p{i}": torch.full((3, i % 5 + 1), float(i)) for i in range(n)}, "step": 1}
+
+    state = fresh()
+    save_and_load(state, "a", fresh())
+    stager = saver.current_session().stager
+    state = fresh()
+    back, fut = save_and_load(state, "b", {"m": {k: torch.zeros_like(v) for k, v in fresh()["m"].items()}, "step": 0})
+    assert not fut.first_call and stager._fast is not None
+    assert all(torch.equal(back["m"][f"p{i}"], torch.full((3, i % 5 + 1), float(i))) for i in range(300))
+    assert back["step"] == 1
+
+    # same objects, in-place changes of values, shape and dtype (.data), a new key: all staged correctly
+    state = fresh()
+    hyperdcp.async_save(state, tmp_path / "c").result(timeout=60)  # warm cache on these objects
+    state["step"] = 7
+    state["m"]["p1"].data = torch.full((4, 2), 3.0)  # same object, new shape
+    state["m"]["p2"].data = torch.full((3, 3), 5, dtype=torch.float64)  # same object, new dtype
+    fut = hyperdcp.async_save(state, tmp_path / "d")
+    fut.result(timeout=60)
+    meta = hyperdcp.read_metadata(str(tmp_path / "d"))
+    assert fut.first_call  # a different structure: new staging area
+    like = {"m": {k: torch.zeros_like(v) for k, v in state["m"].items()}, "step": 0}
+    hyperdcp.load(like, tmp_path / "d")
+    assert like["step"] == 7 and like["m"]["p1"].shape == (4, 2) and torch.equal(like["m"]["p1"], torch.full((4, 2), 3.0))
+    assert like["m"]["p2"].dtype == torch.float64 and torch.equal(like["m"]["p2"], torch.full((3, 3), 5, dtype=torch.float64))
+    assert meta is not None
+    hyperdcp.async_save(state, tmp_path / "e").result(timeout=60)
+    state["m"]["extra"] = torch.ones(2)
+    fut = hyperdcp.async_save(state, tmp_path / "f")
+    fut.result(timeout=60)
+    assert fut.first_call
+    like = {"m": {k: torch.zeros_like(v) for k, v in state["m"].items()}, "step": 0}
+    hyperdcp.load(like, tmp_path / "f")
+    assert torch.equal(like["m"]["extra"], torch.ones(2))
+    # a new tensor object with the same description (model.state_dict() style) stays on the warm path
+    state["m"]["p0"] = torch.full((3, 1), 11.0)
+    fut = hyperdcp.async_save(state, tmp_path / "g")
+    fut.result(timeout=60)
+    assert not fut.first_call
+    like = {"m": {k: torch.zeros_like(v) for k, v in state["m"].items()}, "step": 0}
+    hyperdcp.load(like, tmp_path / "g")
+    assert torch.equal(like["m"]["p0"], torch.full((3, 1), 11.0))
+    hyperdcp.async_save_shutdown() if hasattr(hyperdcp, "async_save_shutdown") else saver.shutdown()

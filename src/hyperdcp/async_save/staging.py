@@ -27,7 +27,8 @@ import numpy as np
 import xxhash
 
 from .. import adapters
-from ..adapters.state_dict import TENSOR, iter_leaves
+from ..adapters import is_tensor_like
+from ..adapters.state_dict import TENSOR, _join, iter_leaves
 from ..core.boxes import Box, full_box
 from ..core.shards import LocalShard, ShardedTensor, check_shard_buffer
 from ..errors import StateDictError, StorageError
@@ -132,6 +133,7 @@ class Layout:
     writers: dict[int, np.ndarray] = field(default_factory=dict)  # per world size: chunks this rank writes alone
     dst_np: list = field(default_factory=list)
     dst_torch: list = field(default_factory=list)
+    plan_bytes: bytes = b""  # plan.to_bytes(), computed once per structure
 
 
 @dataclass
@@ -155,6 +157,7 @@ class Stager:
         self._boxes: dict[tuple, ShardedTensor] = {}
         self._built: tuple | None = None
         self._tad = None
+        self._fast: _Fast | None = None
         #: called before a different structure replaces the area (the session makes the persist process unmap it)
         self.before_new_area = None
 
@@ -214,7 +217,8 @@ class Stager:
 
     # -- the area ------------------------------------------------------------------------
     def _layout_for(self, plan: LocalPlan, chunks) -> tuple[Layout, bool]:
-        key = xxhash.xxh3_128(plan.to_bytes()).digest()
+        plan_bytes = plan.to_bytes()
+        key = xxhash.xxh3_128(plan_bytes).digest()
         if self.layout is not None and self.layout.key == key and self.area is not None:
             return self.layout, False
         if self.area is not None and self.before_new_area is not None:
@@ -225,7 +229,7 @@ class Stager:
         offsets = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64) if len(sizes) else np.zeros(0, np.int64)
         total = int(padded.sum())
         self.area = ShmArea(total)
-        lay = Layout(key, plan, offsets, sizes, total)
+        lay = Layout(key, plan, offsets, sizes, total, plan_bytes=plan_bytes)
         arr = self.area.array
         lay.dst_np = [arr[o : o + n] for o, n in zip(offsets.tolist(), sizes.tolist())]
         self.layout = lay
@@ -245,6 +249,12 @@ class Stager:
     def stage(self, state_dict: Any, ctx) -> StagedCopy:
         """Copy every local shard of ``state_dict`` into the area; return when the copy is complete."""
         t0 = time.perf_counter()
+        fast = self._fast
+        if fast is not None and fast.layout is self.layout and self.area is not None:
+            got = self._stage_fast(fast, state_dict, ctx)
+            if got is not None:
+                return StagedCopy(fast.layout, self.area, got, fast.replicas, time.perf_counter() - t0, False)
+        self._fast = None
         tensors, sources, vals = self.describe(state_dict, ctx)
         ident = (tuple(map(id, tensors)), tuple(vals))
         if self._built is not None and self._built[0] == ident:
@@ -270,7 +280,62 @@ class Stager:
             for d, s in zip(lay.dst_np, srcs):
                 np.copyto(d, s)
         replicas = [sh.replica_ranks for _, sh in chunks]
+        if torch_mod is not None and not cuda:
+            self._fast = _Fast.build(state_dict, tensors, vals, chunks, srcs, lay, replicas, torch_mod)
         return StagedCopy(lay, self.area, vals, replicas, time.perf_counter() - t0, first)
+
+    # -- the warm path -------------------------------------------------------------------
+    def _stage_fast(self, fast: "_Fast", state_dict: Any, ctx) -> dict | None:
+        """Stage a state dict of the last staged structure; None if anything differs (the full path decides).
+
+        Per structure, the walk (the dict keys at every level), each tensor leaf's description and the
+        destination views are cached; per call this checks that every dict has the same keys, that every
+        tensor leaf is the same tensor object with the same local tensor, shape, dtype and (DTensor)
+        placement spec on the CPU, re-encodes the plain values, and copies all tensors with one
+        ``torch._foreach_copy_``. Any difference falls back to the full path, which re-describes the
+        state dict (so structure changes are detected exactly as on a first call).
+        """
+        if type(state_dict) is not dict:
+            return None
+        leaves: list = []
+        try:
+            _collect(state_dict, fast.skeleton, leaves)
+        except _Miss:
+            return None
+        now = list(fast.locs)
+        for j, (i, obj, loc, shp, dt, spec) in enumerate(fast.tensor_leaves):
+            v = leaves[i]
+            if v is obj and (spec is None or (v._spec is spec and v._local_tensor is loc)):
+                cur = loc
+            else:  # a new tensor object (e.g. from model.state_dict()): same cached description, or the full path
+                try:
+                    st, cur = self._torch_leaf(fast.fqns[j], v, ctx) if isinstance(v, fast.tensor_type) else (None, None)
+                except StateDictError:
+                    return None
+                if st is not fast.sts[j]:
+                    return None
+                now[j] = cur
+            if cur.dtype is not dt or cur.shape != shp or not cur.is_cpu:
+                return None
+        vals = {}
+        for i, fqn in fast.value_leaves:
+            v = leaves[i]
+            if type(v) in fast.container_types or is_tensor_like(v):
+                return None
+            try:
+                vals[fqn] = values_codec.encode(v, fqn)
+            except StateDictError:
+                return None
+        torch_mod = fast.torch
+        srcs = [now[j] for j in fast.chunk_src]
+        grad_mode = torch_mod.is_grad_enabled()
+        torch_mod.set_grad_enabled(False)
+        try:
+            if srcs:
+                torch_mod._foreach_copy_(fast.dsts, srcs)  # one call; same result as copy_ per tensor
+        finally:
+            torch_mod.set_grad_enabled(grad_mode)
+        return vals
 
     @staticmethod
     def _copy_all(torch_mod, srcs: list, dst_t: list, lay: Layout, cuda: list) -> None:
@@ -310,6 +375,110 @@ class Stager:
             self.area.close()
         self.area = None
         self.layout = None
+
+
+class _Miss(Exception):
+    pass
+
+
+def _collect(d: dict, node: tuple, out: list) -> None:
+    """Append the leaves of ``d`` in walk order, following a cached skeleton; raise _Miss if the keys differ."""
+    keys, kids = node
+    if type(d) is not dict or len(d) != len(keys) or tuple(d) != keys:
+        raise _Miss
+    if kids is None:
+        out.extend(d.values())
+        return
+    for v, kid in zip(d.values(), kids):
+        if kid is None:
+            out.append(v)
+        else:
+            _collect(v, kid, out)
+
+
+def _skeleton(d: dict, prefix: str, torch_mod, fqns: list, leaves: list) -> tuple:
+    """The key skeleton of a tree of plain dicts whose leaves are torch tensors or plain values, else _Miss."""
+    keys, kids, any_tensor = tuple(d), [], False
+    for k, v in d.items():
+        fqn = _join(prefix, k)
+        if isinstance(v, torch_mod.Tensor):
+            kids.append(None)
+            fqns.append(fqn)
+            leaves.append((fqn, TENSOR))
+            any_tensor = True
+        elif values_codec.is_plain(v):
+            kids.append(None)
+            fqns.append(fqn)
+            leaves.append((fqn, "value"))
+        elif type(v) is dict:
+            n0 = len(leaves)
+            kid = _skeleton(v, fqn, torch_mod, fqns, leaves)
+            if not any(kind == TENSOR for _, kind in leaves[n0:]):
+                raise _Miss  # a container of values only: keep to the full walk's rules
+            kids.append(kid)
+            any_tensor = True
+        else:
+            raise _Miss  # numpy arrays, lists/tuples of tensors, stateful objects: the full path
+    return keys, (None if all(k is None for k in kids) else kids)
+
+
+@dataclass
+class _Fast:
+    """What the warm path of one structure needs (see :meth:`Stager._stage_fast`)."""
+
+    layout: Layout
+    skeleton: tuple
+    tensor_leaves: list  # (leaf index, tensor object, local tensor, shape, dtype, DTensor spec or None)
+    fqns: list  # per tensor leaf
+    sts: list  # per tensor leaf: the cached ShardedTensor description
+    locs: list  # per tensor leaf: the local tensor of the last call
+    value_leaves: list  # (leaf index, fqn)
+    chunk_src: list  # per chunk: its tensor leaf
+    dsts: list
+    replicas: list
+    torch: Any
+    tensor_type: Any
+    container_types: tuple = (dict, list, tuple)
+
+    @classmethod
+    def build(cls, state_dict, tensors, vals, chunks, srcs, lay, replicas, torch_mod) -> "_Fast | None":
+        if type(state_dict) is not dict or not lay.dst_torch:
+            return None
+        fqns_all: list = []
+        leaves: list = []
+        try:
+            skel = _skeleton(state_dict, "", torch_mod, fqns_all, leaves)
+        except (_Miss, StateDictError):
+            return None
+        t_fqns = [f for f, kind in leaves if kind == TENSOR]
+        if t_fqns != [st.fqn for st in tensors] or [f for f, kind in leaves if kind != TENSOR] != list(vals):
+            return None  # not the walk the full path did
+        flat: list = []
+        _collect(state_dict, skel, flat)
+        DT = getattr(getattr(torch_mod, "distributed", None), "tensor", None)
+        DT = getattr(DT, "DTensor", None) if DT is not None else None
+        index = {id(st): j for j, st in enumerate(tensors)}
+        chunk_src = []
+        for (st, _), s in zip(chunks, srcs):
+            j = index.get(id(st))
+            if j is None or not isinstance(s, torch_mod.Tensor) or not s.is_cpu:
+                return None
+            chunk_src.append(j)
+        t_leaves, locs, vleaves, j = [], [], [], 0
+        for i, (fqn, kind) in enumerate(leaves):
+            v = flat[i]
+            if kind != TENSOR:
+                vleaves.append((i, fqn))
+                continue
+            is_dt = DT is not None and isinstance(v, DT)
+            loc = v._local_tensor if is_dt else v
+            if loc.layout is not torch_mod.strided or not loc.is_cpu:
+                return None
+            t_leaves.append((i, v, loc, loc.shape, loc.dtype, v._spec if is_dt else None))
+            locs.append(loc)
+            j += 1
+        return cls(lay, skel, t_leaves, t_fqns, list(tensors), locs, vleaves, chunk_src, list(lay.dst_torch),
+                   replicas, torch_mod, torch_mod.Tensor)
 
 
 def writers_alone(lay: Layout, replicas: list, rank: int, world_size: int) -> np.ndarray:
