@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 NTENSORS = 6
-ROWS_PER_RANK = 128
+ROWS_PER_RANK = 256
 COLS = 2048
 TIMEOUT = 5.0
 
@@ -45,7 +45,7 @@ def expected(step: int, world: int) -> dict:
     return {"model": {f"t{i}": full(i, step, world) for i in range(NTENSORS)}, "step": step}
 
 
-def worker(rank: int, world: int, root: str, step: int, mode: str):
+def worker(rank: int, world: int, root: str, step: int, mode: str, coordination: str = "gloo", timeout: float = TIMEOUT):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -61,34 +61,26 @@ def worker(rank: int, world: int, root: str, step: int, mode: str):
     state = {"model": model, "step": step}
     path = os.path.join(root, f"step-{step}")
     t0 = time.perf_counter()
+    ready = os.path.join(root, f".ready-{step}-{rank}")
     try:
         if mode == "sync":
-            open(os.path.join(root, f".ready-{step}-{rank}"), "w").close()
-            hyperdcp.save(state, path, timeout=TIMEOUT)
+            open(ready, "w").close()
+            hyperdcp.save(state, path, timeout=timeout)
         else:
             from hyperdcp.async_save import async_save
 
-            fut = async_save(state, path, timeout=TIMEOUT)
-            with open(os.path.join(root, f".ready-{step}-{rank}"), "w") as f:
-                f.write(str(_persist_pid()))
+            if mode == "async-rank":  # the kill may also land during staging
+                open(ready, "w").close()
+            fut = async_save(state, path, timeout=timeout, coordination=coordination)
+            if mode == "async-persist":
+                # the persist process handling this save, as the async_save API reports it
+                with open(ready + ".tmp", "w") as f:
+                    f.write(str(fut.worker_pid or 0))
+                os.rename(ready + ".tmp", ready)
             fut.result(timeout=60)
     except hyperdcp.CheckpointError as e:
         return ("error", type(e).__name__, str(e)[:500], time.perf_counter() - t0)
     return ("saved", "", "", time.perf_counter() - t0)
-
-
-def _persist_pid() -> int:
-    """pid of this rank's persist process (async modes), found among our children."""
-    import multiprocessing
-
-    kids = [p.pid for p in multiprocessing.active_children()]
-    if kids:
-        return kids[-1]
-    try:
-        out = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
-        return int(out[-1]) if out else 0
-    except OSError:
-        return 0
 
 
 def load_exact(path: str, step: int, world: int) -> None:
@@ -104,7 +96,31 @@ def load_exact(path: str, step: int, world: int) -> None:
         assert torch.equal(got["model"][k], v), f"{path}: {k} differs"
 
 
-def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, root: str | None = None, log=print) -> dict:
+def _wait_ready(ready: list[str], deadline: float) -> bool:
+    while not all(os.path.exists(p) for p in ready):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def _void(out: dict) -> bool:
+    """Every rank failed before saving for a reason outside the campaign (e.g. a half-written source file
+    while another engineer edits the tree): not a trial."""
+    return all(v[0] == "error" and any(x in str(v[1]) for x in ("ImportError", "SyntaxError", "ModuleNotFound",
+                                                                   "IndentationError", "NameError"))
+               for v in out.values())
+
+
+def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, root: str | None = None, log=print,
+             coordination: str = "gloo", warmup: int = 2, window_scale: float = 1.0, timeout: float = TIMEOUT) -> dict:
+    """``warmup`` uninterrupted saves measure the commit latency L (from "every rank is about to save" to
+    the checkpoint directory appearing, seen by this driver); each trial kills after a delay drawn
+    uniformly from [0, window_scale * L], where L is the median of the latencies seen so far (trials that
+    commit before their kill add theirs). Each trial records whether the kill came before or after the
+    commit became visible, and whether the save nevertheless committed."""
+    import shutil
+
     import hyperdcp
     from tests.faults.ranks import Ranks
 
@@ -114,68 +130,107 @@ def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, roo
     root = tmp.name if own else root
     counts: dict[str, int] = {}
     failures: list[dict] = []
+    trial_log: list[dict] = []
+    latencies: list[float] = []
     t_start = time.perf_counter()
 
     def bump(k):
         counts[k] = counts.get(k, 0) + 1
 
-    # step 0: an uninterrupted save gives the previous checkpoint and calibrates the save duration
-    r = Ranks(world, worker, root, 0, mode)
-    out = r.collect(120)
-    r.kill_all()
-    if not all(o[0] == "ok" and o[1][0] == "saved" for o in out.values()):
-        raise RuntimeError(f"baseline save failed: {out}")
-    save_s = max(o[1][3] for o in out.values())
-    window = 1.5 * save_s + 0.05
-    prev, step = 0, 1
+    def ready_files(step):
+        return [os.path.join(root, f".ready-{step}-{k}") for k in range(world)]
+
+    def clear_ready(step):
+        for p in ready_files(step):
+            for q in (p, p + ".tmp"):
+                if os.path.exists(q):
+                    os.unlink(q)
+
+    # warm-up: uninterrupted saves give the previous checkpoint and calibrate the commit latency
+    prev, step = -1, 0
+    for w in range(max(1, warmup)):
+        path = os.path.join(root, f"step-{step}")
+        r = Ranks(world, worker, root, step, mode, coordination, timeout)
+        _wait_ready(ready_files(step), time.monotonic() + 120)
+        t0 = time.monotonic()
+        while not os.path.exists(path) and time.monotonic() < t0 + 60:
+            time.sleep(0.002)
+        lat = time.monotonic() - t0
+        out = r.collect(120)
+        r.kill_all()
+        clear_ready(step)
+        if not all(o[0] == "ok" and o[1][0] == "saved" for o in out.values()):
+            raise RuntimeError(f"warm-up save failed: {out}")
+        latencies.append(lat)
+        if prev >= 0:
+            shutil.rmtree(os.path.join(root, f"step-{prev}"), ignore_errors=True)
+        prev, step = step, step + 1
+    warm_latencies = [round(x, 3) for x in latencies]
+    valid = voids = 0
+    max_survivor_s = 0.0
     try:
-        for trial in range(trials):
-            info = {"trial": trial, "step": step}
-            r = Ranks(world, worker, root, step, mode)
-            deadline = time.monotonic() + 120
-            ready = [os.path.join(root, f".ready-{step}-{k}") for k in range(world)]
-            while not all(os.path.exists(p) for p in ready) and time.monotonic() < deadline:
-                time.sleep(0.005)
+        while valid < trials:
+            info: dict = {"trial": valid, "step": step}
+            ready = ready_files(step)
+            path = os.path.join(root, f"step-{step}")
+            r = Ranks(world, worker, root, step, mode, coordination, timeout)
+            if not _wait_ready(ready, time.monotonic() + 120):
+                out = r.collect(5)
+                r.kill_all()
+                clear_ready(step)
+                if _void(out) and voids < 10:
+                    voids += 1
+                    log(f"void trial (ranks failed before saving): {str(out)[:300]}")
+                    continue
+                raise RuntimeError(f"ranks never became ready: {out}")
+            t_ready = time.monotonic()
+            window = window_scale * float(np.median(latencies))
             delay = rng.uniform(0, window)
-            time.sleep(delay)
+            committed_at = None
+            while time.monotonic() < t_ready + delay:
+                if committed_at is None and os.path.exists(path):
+                    committed_at = time.monotonic() - t_ready
+                time.sleep(0.001)
             victim = rng.randrange(world)
             if mode == "async-persist":
                 try:
-                    pid = int(open(ready[victim]).read() or 0)
+                    target = int(open(ready[victim]).read() or 0)
                 except (OSError, ValueError):
-                    pid = 0
-                target = pid
+                    target = 0
             else:
                 target = r.procs[victim].pid
+            visible = os.path.exists(path)
             try:
                 if target:
                     os.kill(target, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            info.update(delay=round(delay, 4), victim=victim)
             t_kill = time.monotonic()
-            out = r.collect(4 * TIMEOUT + 20)
+            if committed_at is not None:
+                latencies.append(committed_at)
+            phase = "after commit" if visible else "before commit"
+            info.update(delay=round(delay, 4), window=round(window, 4), victim=victim, pid=target, phase=phase)
+            out = r.collect(4 * timeout + 20)
             info["survivors_s"] = round(time.monotonic() - t_kill, 2)
             r.kill_all()
-            for p in ready:
-                if os.path.exists(p):
-                    os.unlink(p)
+            clear_ready(step)
             problems = []
             survivors = {k: v for k, v in out.items() if k != victim or mode == "async-persist"}
             if any(v[0] == "hung" for v in survivors.values()):
                 problems.append(f"hung ranks: {[k for k, v in survivors.items() if v[0] == 'hung']}")
             if any(v[0] == "error" for v in survivors.values()):
                 problems.append(f"non-CheckpointError on a rank: {[v[1][-300:] for v in survivors.values() if v[0] == 'error']}")
+            max_survivor_s = max(max_survivor_s, info["survivors_s"])
             reported = [k for k, v in out.items() if v[0] == "ok" and v[1][0] == "saved"]
-            path = os.path.join(root, f"step-{step}")
             complete = _complete(path)
             try:
                 load_exact(os.path.join(root, f"step-{prev}"), prev, world)
             except Exception as e:  # noqa: BLE001
                 problems.append(f"PREVIOUS CHECKPOINT LOST: {type(e).__name__}: {e}")
             latest = hyperdcp.latest_checkpoint(root)
+            info["result"] = "committed" if complete else "interrupted"
+            bump(f"kill {phase}, save {info['result']}")
             if complete:
-                bump("committed")
                 try:
                     load_exact(path, step, world)
                 except Exception as e:  # noqa: BLE001
@@ -185,8 +240,9 @@ def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, roo
                 left = [e for e in os.listdir(root) if e.startswith(f".step-{step}.hyperdcp-tmp-")]
                 if left:
                     problems.append(f"leftovers after a complete save: {left}")
+                if counts.pop("_pending_retry", None):
+                    bump("next save over an interrupted one: committed")
             else:
-                bump("interrupted")
                 if reported:
                     problems.append(f"rank(s) {reported} reported an incomplete checkpoint as saved")
                 if latest != os.path.join(root, f"step-{prev}"):
@@ -194,32 +250,56 @@ def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, roo
                 try:
                     load_exact(path, step, world)
                     problems.append("loading the interrupted checkpoint succeeded")
-                except hyperdcp.IncompleteCheckpointError:
+                except hyperdcp.IncompleteCheckpointError as e:
                     bump("load: IncompleteCheckpointError")
+                    if "incomplete checkpoint" not in str(e):
+                        problems.append(f"unclear incomplete-checkpoint error: {e}")
                 except hyperdcp.CheckpointNotFoundError:
                     bump("load: CheckpointNotFoundError")
                 except Exception as e:  # noqa: BLE001
                     problems.append(f"loading the interrupted checkpoint: {type(e).__name__}: {e}")
-            for k, v in survivors.items():
-                bump(f"rank outcome: {v[0] if v[0] != 'ok' else v[1][0] + ('/' + v[1][1] if v[1][1] else '')}")
+                counts["_pending_retry"] = 1
+            for k, v in out.items():
+                who = "victim" if k == victim and mode != "async-persist" else (
+                    "victim's rank" if k == victim else "survivor")
+                if who == "victim":
+                    continue
+                bump(f"{who}: {v[0] if v[0] != 'ok' else v[1][0] + ('/' + v[1][1] if v[1][1] else '')}")
             if problems:
                 info["problems"] = problems
                 info["outcomes"] = {k: (v[0], str(v[1])[:300]) for k, v in out.items()}
                 failures.append(info)
-                log(f"trial {trial}: FAIL {info}")
+                log(f"trial {valid}: FAIL {info}")
                 bump("failed")
+            else:
+                log(f"trial {valid}: ok {info}")
+            trial_log.append(info)
+            valid += 1
             if complete:
                 # keep the disk small: the new checkpoint becomes the previous one
-                import shutil
-
                 shutil.rmtree(os.path.join(root, f"step-{prev}"), ignore_errors=True)
                 prev, step = step, step + 1
             # else: the next trial saves to the same path again (retry over the leftovers)
+        # a final uninterrupted save over whatever the last trial left
+        r = Ranks(world, worker, root, step, mode, coordination, timeout)
+        out = r.collect(120)
+        r.kill_all()
+        clear_ready(step)
+        final_ok = all(o[0] == "ok" and o[1][0] == "saved" for o in out.values()) and _complete(
+            os.path.join(root, f"step-{step}"))
+        if not final_ok:
+            failures.append({"trial": "final", "outcomes": {k: (v[0], str(v[1])[:300]) for k, v in out.items()}})
+        leftovers = sorted(e for e in os.listdir(root) if e.startswith(".") and not e.startswith(".ready-"))
     finally:
         if tmp is not None:
             tmp.cleanup()
-    return {"mode": mode, "world": world, "trials": trials, "seed": seed, "save_window_s": round(window, 3),
-            "seconds": round(time.perf_counter() - t_start, 1), "counts": counts, "failures": failures}
+    counts.pop("_pending_retry", None)
+    return {"mode": mode, "coordination": coordination if mode != "sync" else None, "world": world, "trials": trials,
+            "seed": seed, "timeout_s": timeout, "void_trials": voids, "warmup_commit_latency_s": warm_latencies,
+            "final_window_s": round(window_scale * float(np.median(latencies)), 3),
+            "max_survivor_end_s": max_survivor_s, "final_save_ok": final_ok, "leftover_entries_at_end": leftovers,
+            "seconds": round(time.perf_counter() - t_start, 1), "counts": dict(sorted(counts.items())),
+            "failures": failures, "trials_log": trial_log}
 
 
 def _complete(path: str) -> bool:
@@ -234,11 +314,17 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=3)
     ap.add_argument("--mode", default="sync", choices=("sync", "async-rank", "async-persist"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--coordination", default="gloo", choices=("gloo", "file", "none"),
+                    help="async modes: the persist processes' coordination mode")
+    ap.add_argument("--timeout", type=float, default=TIMEOUT, help="the saves' timeout= (raise it on busy machines)")
+    ap.add_argument("--warmup", type=int, default=2, help="uninterrupted saves that calibrate the commit latency")
+    ap.add_argument("--window-scale", type=float, default=1.0, help="kill delay ~ U[0, scale x commit latency]")
     ap.add_argument("--root", help="directory to save into (default: a temporary one)")
     ap.add_argument("--json", help="write the summary here")
     a = ap.parse_args(argv)
-    res = campaign(a.trials, a.world, a.mode, a.seed, a.root)
-    print(json.dumps({k: v for k, v in res.items() if k != "failures"}, indent=1))
+    res = campaign(a.trials, a.world, a.mode, a.seed, a.root, coordination=a.coordination, warmup=a.warmup,
+                   window_scale=a.window_scale, timeout=a.timeout, log=lambda m: print(m, flush=True))
+    print(json.dumps({k: v for k, v in res.items() if k not in ("failures", "trials_log")}, indent=1))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -47,7 +47,10 @@ def _gloo_coordinator(msg: dict):
         store = dist.PrefixStore(msg["rdzv_prefix"], store)
         dist.init_process_group("gloo", store=store, rank=msg["rank"], world_size=msg["world_size"], timeout=timeout)
         _STATE["pg_prefix"] = msg["rdzv_prefix"]
-    return TorchCoordinator()
+    coord = TorchCoordinator(None, float(msg.get("timeout") or 600))
+    # a rank that never sent this save to its persist process is named within the timeout (monitored barrier)
+    coord.arrive(f"async save to {msg['path']!r}")
+    return coord
 
 
 def _watch_abort(msg: dict, conn: Connection, send_lock: threading.Lock, stop: threading.Event) -> None:
