@@ -87,3 +87,38 @@ def test_ranks_passing_different_keys_or_shapes(tmp_path, what):
         assert msg.startswith(("MismatchError", "RemoteRankError")), msg
     assert any("rank" in m for m in out), out
     assert not os.path.exists(path)
+
+
+def test_lock_file_removed_and_stale_inode_refused(tmp_path):
+    """The lock file ``.<name>.hyperdcp-lock`` is removed when a save ends, while still held, and a
+    saver that locked an unlinked (stale) inode retries on the current file: two savers can never hold
+    locks on different inodes at once."""
+    import fcntl
+
+    import hyperdcp
+    from hyperdcp.storage.commit import SaveTarget
+
+    ck = str(tmp_path / "ck")
+    hyperdcp.save({"w": torch.arange(4.0)}, ck)
+    hyperdcp.save({"w": torch.arange(4.0)}, ck, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    lock = str(tmp_path / ".ck.hyperdcp-lock")
+    a = SaveTarget(ck, overwrite=True)
+    a._lock()
+    stale = os.open(lock, os.O_RDWR)  # a racer opened the file before A removes it
+    with pytest.raises(hyperdcp.CheckpointExistsError):
+        SaveTarget(ck, overwrite=True)._lock()
+    a.release()
+    assert not os.path.exists(lock)
+    fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the racer now holds the stale inode...
+    assert not SaveTarget._same_file(stale, lock)  # ...which _lock() detects (it then retries)
+    b = SaveTarget(ck, overwrite=True)
+    b._lock()  # a new file: B holds the lock the path names
+    with pytest.raises(hyperdcp.CheckpointExistsError):
+        SaveTarget(ck, overwrite=True)._lock()
+    b.release()
+    os.close(stale)
+    # a lock file left by a killed saver is taken over and removed by the next save
+    open(lock, "w").close()
+    hyperdcp.save({"w": torch.arange(4.0)}, ck, overwrite=True)
+    assert not os.path.exists(lock)

@@ -6,7 +6,8 @@ fsynced and renamed, the directory is fsynced, and only then is the temporary di
 ``<name>`` (atomically exchanged with an existing checkpoint when overwriting). A crash at any point
 leaves the previous checkpoint untouched and at most a temporary directory, which the next save to
 the same path removes. Concurrent saves to one path are refused through a lock file
-``.<name>.hyperdcp-lock`` held by the committing process.
+``.<name>.hyperdcp-lock`` held by the committing process for the duration of the save and removed
+when it ends (one left by a killed process is taken over and removed by the next save to the path).
 """
 
 from __future__ import annotations
@@ -158,20 +159,43 @@ class SaveTarget:
             raise StorageError(f"cannot create {self.tmp!r}: {e.strerror or e}") from e
         return self.tmp
 
+    def _lock_path(self) -> str:
+        return os.path.join(self.parent, f".{self.name}.hyperdcp-lock")
+
     def _lock(self) -> None:
-        lock = os.path.join(self.parent, f".{self.name}.hyperdcp-lock")
+        """flock ``.<name>.hyperdcp-lock``; :meth:`release` unlinks it again while still holding the lock.
+
+        Unlinking a lock file lets a racer lock a stale inode (opened before the unlink) or a new file
+        (created after it), so a lock only counts once the path still names the inode we locked;
+        otherwise we retry on the current file. Every holder unlinks only while locked, so two savers
+        can never both hold a lock on the inode the path names.
+        """
+        lock = self._lock_path()
+        for _ in range(100):
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            except OSError as e:
+                raise StorageError(f"cannot create lock file {lock!r}: {e.strerror or e}") from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                raise CheckpointExistsError(
+                    f"another save to {self.path!r} is in progress; wait for it or save to a different path"
+                ) from None
+            if self._same_file(fd, lock):
+                self._lock_fd = fd
+                return
+            os.close(fd)  # the holder we raced removed it after we opened it: lock the current file
+        raise CheckpointExistsError(f"could not lock {lock!r} (other saves to {self.path!r} keep replacing it)")
+
+    @staticmethod
+    def _same_file(fd: int, path: str) -> bool:
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        except OSError as e:
-            raise StorageError(f"cannot create lock file {lock!r}: {e.strerror or e}") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
         except OSError:
-            os.close(fd)
-            raise CheckpointExistsError(
-                f"another save to {self.path!r} is in progress; wait for it or save to a different path"
-            ) from None
-        self._lock_fd = fd
+            return False
+        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
     def _clean_leftovers(self) -> None:
         for entry in os.listdir(self.parent):
@@ -217,7 +241,14 @@ class SaveTarget:
         self.release()
 
     def release(self) -> None:
+        """Remove the lock file (while still holding it, see :meth:`_lock`) and unlock."""
         if self._lock_fd is not None:
+            lock = self._lock_path()
+            try:
+                if self._same_file(self._lock_fd, lock):
+                    os.unlink(lock)
+            except OSError:
+                pass  # a lock file left behind is harmless: the next save locks and removes it
             os.close(self._lock_fd)
             self._lock_fd = None
 
