@@ -20,12 +20,30 @@ Flow (every rank runs the same steps; ranks that need nothing take part too):
    is contiguous and of the stored dtype. Other pieces (column slices of a reshard) are packed, one
    flat message per pair of ranks and batch.
 
+5. **Same host: shared memory.** Each rank sends its host identity (hostname, boot id and the device of
+   ``/dev/shm``; ``HYPERDCP_HOST`` overrides it) and the name of a ``/dev/shm`` segment it created with
+   its plan. When a unit's reader and some of its consumers share a host, the reader reads the unit
+   straight into its segment (two slots of at most about one batch, reused batch after batch) and
+   those consumers copy their pieces from it into their destination: one copy, no TCP. Pieces whose
+   reader is on another host still go point to point. The per-batch status exchange is the barrier:
+   after exchange k every reader's slot for batch k is complete, and a reader starts filling batch
+   k+1 (the other slot, last used by batch k-1) only after exchange k, which every rank enters after
+   finishing batch k-1. Segments are unlinked as soon as every consumer has mapped them (after the
+   first exchange), else on error and at exit. ``HYPERDCP_READ_ONCE_SHM=0`` turns the path off.
+
 A per-batch status exchange makes a read or checksum error on one rank fail the load on every rank
 instead of leaving the others waiting for its data.
 """
 
 from __future__ import annotations
 
+import atexit
+import mmap
+import os
+import re
+import secrets
+import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -86,18 +104,20 @@ class Schedule:
     batches: list[list[Unit]]
     read_bytes: list[int]  # planned bytes read per rank
     sent_bytes: list[int] = field(default_factory=list)
+    shm: Any = None  # the ShmLayout of the load, once hosts are known
 
 
 # -- plans ------------------------------------------------------------------------------------
 
 
-def encode_plan(meta: Metadata, pieces: Sequence[Piece]) -> bytes:
-    """This rank's pieces as (tensor index, chunk index, box) integer arrays."""
+def encode_plan(meta: Metadata, pieces: Sequence[Piece], extra: dict[str, Any] | None = None) -> bytes:
+    """This rank's pieces as (tensor index, chunk index, box) integer arrays (``extra``: header fields)."""
     index = {name: i for i, name in enumerate(meta.tensors)}
     t = np.fromiter((index[p.fqn] for p in pieces), dtype=np.int32, count=len(pieces))
     c = np.fromiter((p.chunk for p in pieces), dtype=np.int64, count=len(pieces))
     coords = [x for p in pieces for x in (*p.box.offsets, *p.box.lengths)]
-    return wire.pack({"v": _PLAN_VERSION, "n": len(pieces)}, {"t": t, "c": c, "b": np.asarray(coords, dtype=np.int64)})
+    head = {"v": _PLAN_VERSION, "n": len(pieces), **(extra or {})}
+    return wire.pack(head, {"t": t, "c": c, "b": np.asarray(coords, dtype=np.int64)})
 
 
 def decode_plan(meta: Metadata, raw: bytes, rank: int) -> list[tuple[int, int, Box]]:
@@ -127,6 +147,169 @@ def decode_plan(meta: Metadata, raw: bytes, rank: int) -> list[tuple[int, int, B
         return out
     except (ValueError, KeyError, IndexError, TypeError) as e:
         raise MismatchError(f"read-once: the load plan of rank {rank} is malformed ({e}); do all ranks run the same hyperdcp version?") from None
+
+
+# -- same-host shared memory ------------------------------------------------------------------
+
+_SHM_DIR = "/dev/shm"
+_SHM_RE = re.compile(r"hyperdcp-ro-[0-9a-f]{24}\Z")
+_ALIGN = 64
+_LIVE: set[str] = set()  # segments this process created and has not unlinked yet
+_LIVE_LOCK = threading.Lock()
+_ATEXIT = False
+
+
+def _unlink_live() -> None:
+    with _LIVE_LOCK:
+        paths = list(_LIVE)
+        _LIVE.clear()
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def host_key() -> str:
+    """What ranks sharing a host (and its /dev/shm) have in common; ``HYPERDCP_HOST`` overrides it."""
+    forced = os.environ.get("HYPERDCP_HOST")
+    if forced:
+        return "forced:" + forced
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        dev = os.stat(_SHM_DIR).st_dev
+    except OSError:
+        dev = -1
+    return f"{socket.gethostname()}|{boot}|{dev}"
+
+
+def shm_enabled() -> bool:
+    if os.environ.get("HYPERDCP_READ_ONCE_SHM", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return os.path.isdir(_SHM_DIR) and os.access(_SHM_DIR, os.W_OK)
+
+
+class _Segment:
+    """This rank's /dev/shm file, created empty and sparse before the plan exchange."""
+
+    def __init__(self, size: int):
+        global _ATEXIT
+        self.name = "hyperdcp-ro-" + secrets.token_hex(12)
+        self.path = os.path.join(_SHM_DIR, self.name)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        self.fd = os.open(self.path, flags, 0o600)
+        with _LIVE_LOCK:
+            _LIVE.add(self.path)
+            if not _ATEXIT:
+                atexit.register(_unlink_live)
+                _ATEXIT = True
+        try:
+            os.ftruncate(self.fd, size)  # sparse: no memory until written
+        except BaseException:
+            self.close()
+            raise
+        self.size = size
+
+    def unlink(self) -> None:
+        with _LIVE_LOCK:
+            live = self.path in _LIVE
+            _LIVE.discard(self.path)
+        if live:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.unlink()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _shm_free() -> int:
+    try:
+        st = os.statvfs(_SHM_DIR)
+        return int(st.f_bavail * st.f_frsize)
+    except OSError:
+        return 0
+
+
+def _presize(meta: Metadata, batch_bytes: int) -> int:
+    """The sparse size of every segment (two slots), known before the plans are exchanged."""
+    big = 0
+    for t in meta.tensors.values():
+        if len(t.chunks):
+            big = max(big, int((np.asarray(t.chunks.end) - np.asarray(t.chunks.begin)).max()))
+    return 2 * (max(int(batch_bytes), big) + (16 << 20))
+
+
+@dataclass
+class ShmLayout:
+    """Which units go through shared memory, and where (identical on every rank)."""
+
+    hosts: list[str]
+    names: list[str]  # segment name per rank ("" for none)
+    slot: list[int]  # bytes per slot per reader (0: the reader uses no segment)
+    nslots: int
+    offset: dict[int, int]  # uid -> byte offset of the unit inside its reader's slot
+
+    def via(self, u: Unit, rank: int) -> bool:
+        """Whether ``rank`` takes its part of ``u`` from the reader's shared memory."""
+        return rank != u.reader and u.uid in self.offset and self.hosts[rank] == self.hosts[u.reader]
+
+
+def shm_layout(sched: Schedule, hosts: list[str], names: list[str], frees: list[int], presize: int) -> ShmLayout:
+    """Place, per reader and batch, the units some same-host rank consumes; hosts without room fall back."""
+    world = len(hosts)
+    nslots = 2 if len(sched.batches) > 1 else 1
+    ok = [bool(names[r]) for r in range(world)]
+
+    def place() -> tuple[list[int], dict[int, int]]:
+        slot, offset = [0] * world, {}
+        for batch in sched.batches:
+            used = [0] * world
+            for u in batch:
+                r = u.reader
+                if ok[r] and any(n.rank != r and hosts[n.rank] == hosts[r] for n in u.needs):
+                    offset[u.uid] = used[r]
+                    used[r] += -(-u.nbytes // _ALIGN) * _ALIGN
+            slot = [max(a, b) for a, b in zip(slot, used)]
+        return slot, offset
+
+    slot, offset = place()
+    changed = False
+    for r in range(world):
+        if ok[r] and nslots * slot[r] > presize:
+            ok[r], changed = False, True
+    per_host: dict[str, list[int]] = {}
+    for r in range(world):
+        per_host.setdefault(hosts[r], []).append(r)
+    for members in per_host.values():
+        need = sum(nslots * slot[r] for r in members if ok[r])
+        if need and need > min(frees[r] for r in members) // 2:  # leave /dev/shm at least half free
+            for r in members:
+                ok[r], changed = False, True
+    if changed:
+        slot, offset = place()
+    return ShmLayout(list(hosts), [n if ok[r] else "" for r, n in enumerate(names)], slot, nslots, offset)
+
+
+def _peer(raw: bytes, rank: int) -> tuple[str, str, int]:
+    """(host, segment name, free /dev/shm bytes) from a rank's plan header."""
+    head, _ = wire.unpack(raw)
+    host, name, free = head.get("host"), head.get("shm", ""), head.get("shm_free", 0)
+    if not isinstance(host, str) or not host:
+        host = f"unknown-host-of-rank-{rank}"  # never shares memory
+    if not isinstance(name, str) or (name and not _SHM_RE.match(name)):
+        raise MismatchError(f"read-once: rank {rank} sent a malformed shared-memory segment name {name!r}")
+    if not isinstance(free, int) or free < 0:
+        free = 0
+    return host, name, free
 
 
 # -- schedule ---------------------------------------------------------------------------------
@@ -255,13 +438,13 @@ class _Msg:
     packed: list[tuple[Unit, Need, int]] | None = None  # packed message: (unit, need, offset)
 
 
-def _messages(batch: list[Unit], me: int) -> tuple[list[_Msg], list[_Msg]]:
+def _messages(batch: list[Unit], me: int, shm: ShmLayout | None = None) -> tuple[list[_Msg], list[_Msg]]:
     """This rank's sends and receives for one batch (the peer computes the mirror image)."""
     pairs_out: dict[int, list] = {}
     pairs_in: dict[int, list] = {}
     for u in batch:
         for n in u.needs:
-            if n.rank == u.reader:
+            if n.rank == u.reader or (shm is not None and shm.via(u, n.rank)):
                 continue
             if u.reader == me:
                 pairs_out.setdefault(n.rank, []).append((u, n))
@@ -290,11 +473,14 @@ class _Exchange:
     """Runs a schedule on one rank."""
 
     def __init__(self, files: DataFiles, meta: Metadata, pieces: Sequence[Piece], coord: Coordinator,
-                 opts: LoadOptions, sched: Schedule):
+                 opts: LoadOptions, sched: Schedule, shm: ShmLayout | None = None, seg: _Segment | None = None):
         import torch.distributed as dist
 
         self.dist = dist
         self.files, self.meta, self.pieces, self.coord, self.opts, self.sched = files, meta, pieces, coord, opts, sched
+        self.shm, self.seg = shm, seg
+        self.own_map: mmap.mmap | None = None  # this rank's segment, written by its reads
+        self.maps: dict[int, mmap.mmap] = {}  # same-host readers' segments, read by this rank
         self.me = coord.rank
         self.names = list(meta.tensors)
         self.group = coord.group  # type: ignore[attr-defined]
@@ -315,8 +501,10 @@ class _Exchange:
         """Read and verify this rank's units of batch k, fill its own pieces, pack its messages."""
         from .loading import copy_piece, read_chunk
 
+        if k == 0 and self.shm is not None:
+            self._map_segments()
         batch = self.sched.batches[k]
-        sends, recvs = _messages(batch, self.me)
+        sends, recvs = _messages(batch, self.me, self.shm)
         mine = [u for u in batch if u.reader == self.me]
         bufs: dict[int, tuple[np.ndarray, ChunkRead]] = {}
 
@@ -324,7 +512,8 @@ class _Exchange:
             own = [self._piece(u, n) for n in u.needs if n.rank == self.me]
             read = self._chunk_read(u, own)
             only_me = all(n.rank == self.me for n in u.needs)
-            buf, direct = read_chunk(self.files, self.meta, read, self.opts.verify_checksums, direct_ok=only_me)
+            out = self._slot(self.me, k, u) if self.shm is not None and u.uid in self.shm.offset else None
+            buf, direct = read_chunk(self.files, self.meta, read, self.opts.verify_checksums, direct_ok=only_me, out=out)
             if not direct:
                 for p in own:
                     if p.dst is not None:
@@ -350,6 +539,65 @@ class _Exchange:
                     np.copyto(flat[off : off + n.nbytes].reshape(n.box.lengths + (isz,)), self._src(bufs, u, n, flat=False))
                 out.append((m, flat))
         return {"sends": out, "recvs": recvs}
+
+    # shared memory ---------------------------------------------------------------------------------
+    def _map_segments(self) -> None:
+        """Map this rank's segment (to fill) and those of same-host readers it takes pieces from."""
+        shm, me = self.shm, self.me
+        size = shm.nslots * shm.slot[me]
+        if size and self.seg is not None:
+            try:
+                os.posix_fallocate(self.seg.fd, 0, size)  # /dev/shm full: an error here, not SIGBUS later
+            except OSError as e:
+                raise CheckpointError(
+                    f"read-once: rank {me} cannot reserve {size} bytes of shared memory in {self.seg.path} "
+                    f"({e.strerror or e}); free /dev/shm, lower read_once_batch_bytes or set HYPERDCP_READ_ONCE_SHM=0"
+                ) from None
+            self.own_map = mmap.mmap(self.seg.fd, size)
+        peers = sorted({u.reader for b in self.sched.batches for u in b for n in u.needs
+                        if n.rank == me and shm.via(u, me)})
+        for r in peers:
+            path = os.path.join(_SHM_DIR, shm.names[r])
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+                try:
+                    self.maps[r] = mmap.mmap(fd, shm.nslots * shm.slot[r], prot=mmap.PROT_READ)
+                finally:
+                    os.close(fd)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(
+                    f"read-once: rank {me} cannot map the shared memory of rank {r} ({path}: {e}); ranks with the "
+                    "same host identity must share /dev/shm (set HYPERDCP_HOST to tell hosts apart, or "
+                    "HYPERDCP_READ_ONCE_SHM=0)"
+                ) from None
+
+    def _slot(self, reader: int, k: int, u: Unit) -> np.ndarray:
+        """Unit ``u``'s bytes in ``reader``'s segment, in the slot of batch ``k``."""
+        shm = self.shm
+        m = self.own_map if reader == self.me else self.maps[reader]
+        start = (k % shm.nslots) * shm.slot[reader] + shm.offset[u.uid]
+        return np.frombuffer(m, dtype=np.uint8, count=u.nbytes, offset=start)
+
+    def _copy_from_shm(self, k: int) -> None:
+        from .loading import copy_piece
+
+        for u in self.sched.batches[k]:
+            for n in u.needs:
+                if n.rank == self.me and self.shm.via(u, self.me):
+                    p = self._piece(u, n)
+                    if p.dst is not None:
+                        copy_piece(self._slot(u.reader, k, u), self._chunk_read(u, []), self.meta, p)
+
+    def close(self) -> None:
+        maps, self.maps = list(self.maps.values()) + ([self.own_map] if self.own_map is not None else []), {}
+        self.own_map = None
+        for m in maps:
+            try:
+                m.close()
+            except BufferError:  # a view is still alive somewhere; the mapping goes with it
+                pass
+        if self.seg is not None:
+            self.seg.close()
 
     def _src(self, bufs, u: Unit, n: Need, flat: bool) -> np.ndarray:
         buf, read = bufs[u.uid]
@@ -381,7 +629,7 @@ class _Exchange:
             src = packed.reshape(p.box.lengths + (dtypes.itemsize(t.dtype),))
         np.copyto(dst_view(p.dst, p.box, p.dst_dtype, typed=cast), src, casting="unsafe")
 
-    def transfer(self, state: dict[str, Any]) -> None:
+    def transfer(self, state: dict[str, Any], k: int = -1) -> None:
         import torch
 
         dist, works, after = self.dist, [], []
@@ -397,6 +645,8 @@ class _Exchange:
             works.append(self._call(dist.irecv, torch.from_numpy(buf), src=self.glob[m.peer], group=self.group, tag=m.tag))
         for m, payload in state["sends"]:
             works.append(self._call(dist.isend, torch.from_numpy(payload), dst=self.glob[m.peer], group=self.group, tag=m.tag))
+        if self.shm is not None and k >= 0:
+            self._copy_from_shm(k)  # while the point-to-point messages are in flight
         for w in works:
             self._call(w.wait)
         for buf, parts in after:
@@ -407,6 +657,9 @@ class _Exchange:
         nb = len(self.sched.batches)
         if nb == 0:
             return
+        # with shared memory, batch k+1 is read only after exchange k: every rank has then finished
+        # batch k-1, whose slot batch k+1 reuses
+        early = self.shm is None
         with ThreadPoolExecutor(1, thread_name_prefix="hyperdcp-read-once") as ex:
             fut = ex.submit(self.prepare, 0)
             for k in range(nb):
@@ -415,16 +668,20 @@ class _Exchange:
                     state = fut.result()
                 except Exception as e:  # noqa: BLE001 - reported to every rank below
                     exc = e
-                if exc is None and k + 1 < nb:
+                if early and exc is None and k + 1 < nb:
                     fut = ex.submit(self.prepare, k + 1)  # read the next batch while this one moves
                 statuses = self.coord.all_gather(_status(exc))
                 try:
                     raise_remote(statuses, self.coord, f"read-once load (batch {k + 1} of {nb})", exc)
                 except BaseException:
-                    if k + 1 < nb and exc is None:
+                    if early and k + 1 < nb and exc is None:
                         fut.cancel()
                     raise
-                self.transfer(state)
+                if k == 0 and self.seg is not None:
+                    self.seg.unlink()  # every consumer mapped it before exchange 0
+                if not early and k + 1 < nb:
+                    fut = ex.submit(self.prepare, k + 1)
+                self.transfer(state, k)
                 state = None
 
 
@@ -439,11 +696,34 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
 
         execute_local_reads(files, meta, group_reads(meta, pieces, opts.verify_checksums), opts)
         return None
-    mine = encode_plan(meta, pieces)
-    raws = coord.all_gather(mine)
-    plans = [decode_plan(meta, raw, r) for r, raw in enumerate(raws)]
-    if len(plans[coord.rank]) != len(pieces):
-        raise CoordinationError(f"read-once: rank {coord.rank} received a different plan than it sent")
-    sched = build_schedule(meta, plans, opts.verify_checksums, opts.read_once_batch_bytes)
-    _Exchange(files, meta, pieces, coord, opts, sched).run()
+    seg, extra = None, {"host": host_key(), "shm": "", "shm_free": 0}
+    presize = _presize(meta, opts.read_once_batch_bytes)
+    if shm_enabled():
+        try:
+            seg = _Segment(presize)
+            extra.update(shm=seg.name, shm_free=_shm_free())
+        except OSError:  # no usable /dev/shm here: this rank's units go point to point
+            seg = None
+    ex = None
+    try:
+        raws = coord.all_gather(encode_plan(meta, pieces, extra))
+        plans = [decode_plan(meta, raw, r) for r, raw in enumerate(raws)]
+        if len(plans[coord.rank]) != len(pieces):
+            raise CoordinationError(f"read-once: rank {coord.rank} received a different plan than it sent")
+        sched = build_schedule(meta, plans, opts.verify_checksums, opts.read_once_batch_bytes)
+        peers = [_peer(raw, r) for r, raw in enumerate(raws)]
+        shm = shm_layout(sched, [p[0] for p in peers], [p[1] for p in peers], [p[2] for p in peers], presize)
+        sched.shm = shm
+        if not shm.offset:
+            shm = None
+        if seg is not None and (shm is None or not shm.slot[coord.rank]):
+            seg.close()  # nobody maps it
+            seg = None
+        ex = _Exchange(files, meta, pieces, coord, opts, sched, shm, seg)
+        ex.run()
+    finally:
+        if ex is not None:
+            ex.close()
+        elif seg is not None:
+            seg.close()
     return sched

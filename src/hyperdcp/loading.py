@@ -67,16 +67,18 @@ def copy_piece(buf: np.ndarray, read: ChunkRead, meta: Metadata, piece: Piece) -
     np.copyto(dst, src, casting="unsafe")
 
 
-def read_chunk(files: DataFiles, meta: Metadata, read: ChunkRead, verify: bool, direct_ok: bool = True) -> tuple[np.ndarray, bool]:
+def read_chunk(files: DataFiles, meta: Metadata, read: ChunkRead, verify: bool, direct_ok: bool = True,
+               out: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
     """Read (and verify) bytes [lo, hi) of a stored chunk as a flat uint8 array.
 
     Returns (buffer, direct): direct when the bytes were read straight into their destination.
+    ``out`` (a flat uint8 array of ``read.nbytes``) is the buffer to read into instead of a new one.
     """
     t = meta.tensors[read.fqn]
     what = f"tensor {read.fqn!r} chunk {t.chunks.box(read.chunk)}"
     files.fd(read.file)  # size and header checked against the file before any buffer is sized from the metadata
-    direct = _direct_target(read, meta) if direct_ok and len(read.pieces) == 1 else None
-    buf = direct if direct is not None else np.empty(read.nbytes, dtype=np.uint8)
+    direct = _direct_target(read, meta) if out is None and direct_ok and len(read.pieces) == 1 else None
+    buf = direct if direct is not None else out if out is not None else np.empty(read.nbytes, dtype=np.uint8)
     files.read_into(read.file, read.begin + read.lo, buf, what)
     if verify:
         B = meta.checksum_block_bytes
