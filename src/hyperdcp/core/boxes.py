@@ -168,8 +168,9 @@ def check_exact_cover(name: str, shape: Sequence[int], offsets: np.ndarray, leng
 class BoxIndex:
     """Finds the stored boxes that intersect a query box without scanning every box.
 
-    Grid layouts (what Shard/Replicate placements produce) are looked up by binary search on the
-    cut points of each dimension; other layouts by a sorted sweep on one dimension.
+    Boxes are sorted by their start on dimension 0 with a running maximum of their ends, so the
+    candidates for a query are one contiguous range found by two binary searches; the other
+    dimensions are then filtered on that range only. Building it is one sort.
     """
 
     def __init__(self, shape: Sequence[int], offsets: np.ndarray, lengths: np.ndarray):
@@ -178,34 +179,28 @@ class BoxIndex:
         self.lengths = _as_boxes(lengths, len(self.shape))
         self.ends = self.offsets + self.lengths
         n = len(self.offsets)
-        grid = _grid_cells(self.shape, self.offsets, self.ends) if n and self.shape else None
-        self._grid = None
-        if grid is not None:
-            cuts, coords = grid
-            cells = np.empty(tuple(len(c) - 1 for c in cuts), dtype=np.int64)
-            cells[tuple(coords.T)] = np.arange(n)
-            self._grid = (cuts, cells)
+        if self.shape and n > 1:
+            self._order = np.argsort(self.offsets[:, 0], kind="stable")
+            self._start0 = self.offsets[self._order, 0]
+            self._maxend0 = np.maximum.accumulate(self.ends[self._order, 0])
         else:
-            self._order = np.argsort(self.offsets[:, 0], kind="stable") if self.shape and n else np.arange(n)
+            self._order = None
 
     def query(self, box: Box) -> np.ndarray:
         """Indices of stored boxes that overlap ``box`` (non-empty intersection)."""
+        n = len(self.offsets)
         if not self.shape:
-            return np.arange(len(self.offsets))
+            return np.arange(n)
         q0 = np.asarray(box.offsets, dtype=np.int64)
         q1 = q0 + np.asarray(box.lengths, dtype=np.int64)
         if (q1 <= q0).any():
             return np.empty(0, dtype=np.int64)
-        if self._grid is not None:
-            cuts, cells = self._grid
-            sl = []
-            for d, c in enumerate(cuts):
-                lo = int(np.searchsorted(c, q0[d], side="right")) - 1
-                hi = int(np.searchsorted(c, q1[d], side="left"))
-                sl.append(slice(max(lo, 0), min(hi, len(c) - 1)))
-            return cells[tuple(sl)].ravel()
-        s0 = self.offsets[self._order, 0]
-        cand = self._order[: int(np.searchsorted(s0, q1[0], side="left"))]
+        if self._order is None:
+            cand = np.arange(n)
+        else:
+            lo = int(np.searchsorted(self._maxend0, q0[0], side="right"))
+            hi = int(np.searchsorted(self._start0, q1[0], side="left"))
+            cand = self._order[lo:hi]
         hit = np.all((self.offsets[cand] < q1) & (self.ends[cand] > q0), axis=1)
         return cand[hit]
 
@@ -213,3 +208,43 @@ class BoxIndex:
 def box_view(buf: np.ndarray, lengths: Sequence[int], itemsize: int) -> np.ndarray:
     """View a flat uint8 buffer holding a C-ordered box as an array of shape (*lengths, itemsize)."""
     return buf.reshape(tuple(int(n) for n in lengths) + (itemsize,))
+
+
+def grid_tiles(tidx: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, shapes: np.ndarray) -> np.ndarray:
+    """Per tensor: True where its boxes certainly tile it exactly as a grid (vectorised over tensors).
+
+    ``tidx`` (n,) names each box's tensor in ``range(len(shapes))``; ``offsets``/``lengths`` are
+    (n, D) and ``shapes`` (T, D), padded with offset 0, length 1 and size 1 for unused dimensions.
+    Boxes must be distinct. A grid tiling: per dimension the distinct intervals of a tensor tile
+    [0, size) end to end, each start has one end, and there are as many boxes as grid cells. False
+    means "not proven here" (the tensor may still be tiled in a non-grid way, or not at all): callers
+    fall back to :func:`check_exact_cover` for those tensors.
+    """
+    T, D = shapes.shape
+    n = len(tidx)
+    ok = np.ones(T, dtype=bool)
+    cells = np.ones(T, dtype=np.int64)
+    if n == 0:
+        return ok & (np.prod(shapes, axis=1) == 0) if D else ok & False
+    for d in range(D):
+        o = offsets[:, d]
+        e = o + lengths[:, d]
+        idx = np.lexsort((o, tidx))
+        t_s, o_s, e_s = tidx[idx], o[idx], e[idx]
+        new = np.ones(n, dtype=bool)
+        new[1:] = (t_s[1:] != t_s[:-1]) | (o_s[1:] != o_s[:-1])
+        dup_bad = ~new[1:] & (e_s[1:] != e_s[:-1])
+        if dup_bad.any():
+            ok[t_s[1:][dup_bad]] = False
+        t_i, o_i, e_i = t_s[new], o_s[new], e_s[new]
+        first_of_t = np.ones(len(t_i), dtype=bool)
+        first_of_t[1:] = t_i[1:] != t_i[:-1]
+        last_of_t = np.ones(len(t_i), dtype=bool)
+        last_of_t[:-1] = t_i[1:] != t_i[:-1]
+        bad = (first_of_t & (o_i != 0)) | (last_of_t & (e_i != shapes[t_i, d]))
+        chain = ~first_of_t[1:] & (o_i[1:] != e_i[:-1])
+        ok[t_i[bad]] = False
+        ok[t_i[1:][chain]] = False
+        cells *= np.bincount(t_i, minlength=T)
+    count = np.bincount(tidx, minlength=T)
+    return ok & (count == cells) & (count > 0)

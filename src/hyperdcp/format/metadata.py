@@ -21,7 +21,7 @@ import xxhash
 
 from .._version import __version__
 from ..core import dtypes
-from ..core.boxes import Box, check_exact_cover
+from ..core.boxes import Box, check_exact_cover, grid_tiles
 from ..errors import CheckpointError, FormatError, UnsupportedVersionError
 from . import values as values_codec
 
@@ -197,14 +197,12 @@ def _parse(raw: bytes, where: str) -> Metadata:
     tensors_doc = doc.get("tensors")
     if not isinstance(tensors_doc, dict):
         raise bad("tensors must be an object")
-    tensors: dict[str, TensorMeta] = {}
-    ranges = []
-    for name, t in tensors_doc.items():
-        tensors[name] = tm = _parse_tensor(name, t, len(files), block, bad)
-        if len(tm.chunks):
-            ranges.append(np.stack([tm.chunks.file, tm.chunks.begin, tm.chunks.end], axis=1))
-    if ranges:
-        r = np.concatenate(ranges)
+    tensors = _parse_tensors_fast(tensors_doc, len(files), block)
+    if tensors is None:  # something is off: the per-tensor path finds and names it
+        tensors = {name: _parse_tensor(name, t, len(files), block, bad) for name, t in tensors_doc.items()}
+    tms = [tm for tm in tensors.values() if len(tm.chunks)]
+    if tms:
+        r = np.stack([np.concatenate([getattr(tm.chunks, k) for tm in tms]) for k in ("file", "begin", "end")], axis=1)
         sizes = np.array([f.nbytes for f in files], dtype=np.int64)
         if (r[:, 2] > sizes[r[:, 0]]).any():
             i = int(np.argmax(r[:, 2] > sizes[r[:, 0]]))
@@ -237,6 +235,122 @@ def _parse(raw: bytes, where: str) -> Metadata:
         created_unix=float(created) if type(created) in (int, float) else 0.0,
         user=user,
     )
+
+
+def _parse_tensors_fast(doc: dict, nfiles: int, block: int) -> dict[str, TensorMeta] | None:
+    """Validate every tensor entry at once, vectorised over all chunks; None if anything fails.
+
+    Checks exactly what :func:`_parse_tensor` checks (which then runs to name the problem), but costs
+    a few numpy passes instead of a few dozen numpy calls per tensor (100,000-tensor checkpoints).
+    """
+    names, codes, shapes, counts = [], [], [], []
+    files, begins, ends, sums = [], [], [], []
+    rows: dict[int, tuple[list, list]] = {}
+    for name, t in doc.items():
+        if type(name) is not str or not name or type(t) is not dict:
+            return None
+        code, shape, c = t.get("dtype"), t.get("shape"), t.get("chunks")
+        if code not in dtypes.ITEMSIZE or type(shape) is not list or len(shape) > MAX_DIMS or type(c) is not dict:
+            return None
+        cols = [c.get(k) for k in ("offsets", "lengths", "file", "begin", "end", "checksums")]
+        if any(type(x) is not list for x in cols):
+            return None
+        n = len(cols[2])
+        if any(len(x) != n for x in cols):
+            return None
+        nd = len(shape)
+        off_rows, len_rows = rows.setdefault(nd, ([], []))
+        off_rows.extend(cols[0])
+        len_rows.extend(cols[1])
+        files.extend(cols[2])
+        begins.extend(cols[3])
+        ends.extend(cols[4])
+        sums.extend(cols[5])
+        names.append(name)
+        codes.append(code)
+        shapes.append(shape)
+        counts.append(n)
+    T = len(names)
+    if T == 0:
+        return {}
+    try:
+        ndims = np.array([len(sh) for sh in shapes], dtype=np.int64)
+        D = int(ndims.max())
+        shp = np.ones((T, D), dtype=np.int64)
+        for nd in rows:
+            sel = np.flatnonzero(ndims == nd)
+            if nd:
+                block_ = np.array([shapes[i] for i in sel])
+                if block_.dtype.kind not in "iu":
+                    return None
+                shp[sel, :nd] = block_
+        if (shp < 0).any():
+            return None
+        if not all(type(x) is int for sh in shapes for x in sh):
+            return None
+        numel = np.prod(shp.astype(object), axis=1) if D else np.ones(T, dtype=object)
+        if any(v > MAX_NUMEL for v in numel):
+            return None
+        numel = numel.astype(np.int64)
+        counts_a = np.array(counts, dtype=np.int64)
+        N = int(counts_a.sum())
+        tid = np.repeat(np.arange(T), counts_a)
+        first = np.cumsum(counts_a) - counts_a
+        offs = np.zeros((N, D), dtype=np.int64)
+        lens = np.ones((N, D), dtype=np.int64)
+        for nd, (orows, lrows) in rows.items():
+            sel = np.flatnonzero(ndims == nd)
+            m = len(orows)
+            if m == 0:
+                continue
+            pos = np.repeat(first[sel] - np.concatenate([[0], np.cumsum(counts_a[sel])[:-1]]), counts_a[sel]) + np.arange(m)
+            if nd:
+                o, l = np.array(orows), np.array(lrows)
+                if o.shape != (m, nd) or l.shape != (m, nd) or o.dtype.kind not in "iu" or l.dtype.kind not in "iu":
+                    return None
+                offs[pos, :nd] = o
+                lens[pos, :nd] = l
+            elif any(x != [] for x in orows) or any(x != [] for x in lrows):
+                return None
+        f, b, e = (np.array(x) if x else np.zeros(0, np.int64) for x in (files, begins, ends))
+        if any(a.dtype.kind not in "iu" or a.shape != (N,) for a in (f, b, e)):
+            return None
+        f, b, e = f.astype(np.int64), b.astype(np.int64), e.astype(np.int64)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    isz = np.array([dtypes.itemsize(cd) for cd in codes], dtype=np.int64)
+    if N:
+        if (lens <= 0).any() or (offs < 0).any() or (offs + lens > shp[tid]).any():
+            return None
+        if ((f < 0) | (f >= nfiles) | (b < 0) | (e < b)).any():
+            return None
+        size = lens.prod(axis=1) * isz[tid]
+        if not np.array_equal(e - b, size):
+            return None
+        if not all(type(x) is str for x in sums):
+            return None
+        want = 16 * np.maximum(1, -(-size // block))
+        if not np.array_equal(np.fromiter(map(len, sums), dtype=np.int64, count=N), want):
+            return None
+        if not _HEX.fullmatch("".join(sums)):
+            return None
+    if ((numel == 0) & (counts_a > 0)).any() or ((numel > 0) & (counts_a == 0)).any():
+        return None
+    # every chunk box distinct per tensor is implied by an exact tiling; test it (grid fast, else general)
+    tiled = grid_tiles(tid, offs, lens, shp) | (numel == 0)
+    for t in np.flatnonzero(~tiled):
+        sl = slice(first[t], first[t] + counts_a[t])
+        nd = len(shapes[t])
+        try:
+            check_exact_cover(names[t], tuple(shapes[t]), offs[sl, :nd], lens[sl, :nd])
+        except CheckpointError:
+            return None
+    out = {}
+    for t, name in enumerate(names):
+        sl = slice(first[t], first[t] + counts_a[t])
+        nd = len(shapes[t])
+        out[name] = TensorMeta(codes[t], tuple(shapes[t]), ChunkTable(offs[sl, :nd], lens[sl, :nd], f[sl], b[sl], e[sl], sums[sl]))
+    return out
 
 
 def _int(v, what, bad, lo, hi) -> int:

@@ -29,7 +29,7 @@ import numpy as np
 import xxhash
 
 from ..core import dtypes
-from ..core.boxes import Box, check_exact_cover
+from ..core.boxes import Box, check_exact_cover, grid_tiles
 from ..core.shards import LocalShard, ShardedTensor
 from ..errors import MismatchError
 
@@ -316,16 +316,13 @@ def plan_global(plans: Sequence[LocalPlan]) -> GlobalPlan:
     u_len = lens[u_rows]
     vol = u_len.prod(axis=1) if D else np.ones(U, np.int64)
 
-    # every tensor tiled exactly: cheap test first, full geometric check where it is needed
+    # every tensor tiled exactly: a vectorised grid test for all tensors, the general check for the rest
+    spec_shape = np.array([list(sp.shape) + [1] * (D - len(sp.shape)) for sp in specs], dtype=np.int64).reshape(T, D)
+    tiled = grid_tiles(u_tidx, u_off, u_len, spec_shape)
     starts = np.searchsorted(u_tidx, np.arange(T + 1))
-    per_t = np.diff(starts)
-    covered = np.add.reduceat(vol, starts[:-1]) if U else np.zeros(T, np.int64)
-    covered = np.where(per_t > 0, covered, 0)
-    for t in np.flatnonzero((per_t != 1) | (covered != numel)):
+    for t in np.flatnonzero(~tiled & (numel > 0)):
         spec = specs[t]
-        if numel[t] == 0:
-            continue
-        if per_t[t] == 0:
+        if starts[t] == starts[t + 1]:
             raise MismatchError(f"tensor {spec.fqn!r}: no rank holds any part of it; check its placements")
         nd = len(spec.shape)
         sl = slice(starts[t], starts[t + 1])
