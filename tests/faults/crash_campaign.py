@@ -178,7 +178,10 @@ def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, roo
                 out = r.collect(5)
                 r.kill_all()
                 clear_ready(step)
-                if _void(out) and voids < 10:
+                # every rank failed before the kill point (e.g. a timeout of the session's start-up on an
+                # overloaded machine): nothing was interrupted, so not a trial
+                early = all(v[0] == "ok" and v[1][0] == "error" for v in out.values())
+                if (_void(out) or early) and voids < 10:
                     voids += 1
                     log(f"void trial (ranks failed before saving): {str(out)[:300]}")
                     continue
