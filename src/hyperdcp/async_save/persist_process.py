@@ -16,6 +16,7 @@ leaves persist processes behind.
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -299,6 +300,29 @@ def main(fd: int) -> None:
 # --------------------------------------------------------------------------------------------
 # parent side
 # --------------------------------------------------------------------------------------------
+class _Pending:
+    """One command's reply, filled in by the reader thread."""
+
+    def __init__(self, on_reply=None):
+        self.on_reply = on_reply
+        self.event = threading.Event()
+        self.reply: dict | None = None
+        self.exc: BaseException | None = None
+
+    def deliver(self, reply: dict | None, exc: BaseException | None) -> None:
+        self.reply, self.exc = reply, exc
+        self.event.set()
+        if self.on_reply is not None:
+            self.on_reply(reply, exc)
+
+    def get(self) -> dict:
+        self.event.wait()
+        if self.exc is not None:
+            raise self.exc
+        assert self.reply is not None
+        return self.reply
+
+
 class PersistWorker:
     """Handle on one persist process, owned by a training process."""
 
@@ -320,6 +344,9 @@ class PersistWorker:
             b.close()
         self.conn = Connection(a.detach())
         self.lock = threading.Lock()
+        self._pending: collections.deque = collections.deque()
+        self._reader: threading.Thread | None = None
+        self._gone: BaseException | None = None
 
     @property
     def pid(self) -> int:
@@ -345,17 +372,62 @@ class PersistWorker:
             return f"was killed by signal {name}"
         return f"exited with code {code}"
 
-    def request(self, msg: dict, poll: float = 0.2) -> dict:
-        """Send one command and wait for its reply; raise EOFError if the process dies first."""
+    def submit(self, msg: dict, on_reply: Callable[[dict | None, BaseException | None], None] | None = None) -> "_Pending":
+        """Send one command; its reply is delivered by this worker's reader thread (``on_reply`` runs there).
+
+        The calling thread only pickles and sends: no other thread is woken (waking one costs the caller
+        a GIL hand-off, milliseconds on a loaded machine). The child answers commands in order, so the
+        reader thread matches replies to commands by position.
+        """
+        pend = _Pending(on_reply)
         with self.lock:
-            self.conn.send(msg)
-            while True:
-                if self.conn.poll(poll):
-                    return self.conn.recv()  # EOFError if the child closed the socket by dying
-                if not self.alive():
+            if self._reader is None:
+                self._reader = threading.Thread(target=self._read_loop, daemon=True,
+                                                name=f"hyperdcp-persist-reader-rank{self.rank}")
+                self._reader.start()
+            if self._gone is not None:
+                err: BaseException | None = self._gone
+            else:
+                self._pending.append(pend)
+                try:
+                    self.conn.send(msg)
+                    err = None
+                except (OSError, EOFError, ValueError) as e:
+                    self._pending.remove(pend)
+                    err = EOFError(str(e))
+        if err is not None:
+            pend.deliver(None, err)
+        return pend
+
+    def request(self, msg: dict) -> dict:
+        """Send one command and wait for its reply; raise EOFError if the process dies first."""
+        return self.submit(msg).get()
+
+    def _read_loop(self, poll: float = 0.2) -> None:
+        while True:
+            try:
+                ready = self.conn.poll(poll)
+                reply = self.conn.recv() if ready else None
+            except (EOFError, OSError, ValueError):
+                break  # the child died (or this end was closed)
+            if reply is not None:
+                with self.lock:
+                    pend = self._pending.popleft() if self._pending else None
+                if pend is not None:
+                    pend.deliver(reply, None)
+                continue
+            if not self.alive():
+                try:
                     if self.conn.poll(0):
-                        return self.conn.recv()
-                    raise EOFError(self.exit_description())
+                        continue  # read what it sent before dying
+                except (EOFError, OSError, ValueError):
+                    pass
+                break
+        with self.lock:
+            self._gone = EOFError("the persist process is gone")
+            pending, self._pending = list(self._pending), collections.deque()
+        for pend in pending:
+            pend.deliver(None, EOFError(self.exit_description()))
 
     def stop(self, timeout: float = 10.0) -> None:
         try:

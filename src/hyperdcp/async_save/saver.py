@@ -149,7 +149,7 @@ class _Session:
         }
         if copy is not None:
             lay = copy.layout
-            msg.update(plan=lay.plan.to_bytes(), shm_path=copy.area.path, shm_bytes=copy.area.nbytes,
+            msg.update(plan=lay.plan_bytes or lay.plan.to_bytes(), shm_path=copy.area.path, shm_bytes=copy.area.nbytes,
                        offsets=lay.offsets.tobytes(), sizes=lay.sizes.tobytes(), values=copy.values)
             if mode == "none":
                 msg["mine"] = writers_alone(lay, copy.replicas, self.rank, self.world_size).tobytes()
@@ -161,17 +161,19 @@ class _Session:
         if stage_error is not None and mode == "none":
             fut._finish(None, stage_error)
             raise stage_error
-        threading.Thread(target=self._run, args=(worker, msg, fut, xdir), name=f"hyperdcp-async-save-{seq}",
-                         daemon=True).start()
+        worker.submit(msg, lambda reply, exc: self._complete(worker, msg, fut, xdir, reply, exc))
         fut.blocking_seconds = time.perf_counter() - t0
         if stage_error is not None:
             raise stage_error
         return fut
 
-    def _run(self, worker: PersistWorker, msg: dict, fut: SaveFuture, xdir: str | None) -> None:
+    def _complete(self, worker: PersistWorker, msg: dict, fut: SaveFuture, xdir: str | None, reply: dict | None,
+                  exc: BaseException | None) -> None:
+        """Runs on the worker's reader thread once the persist process replied (or died)."""
         try:
-            reply = worker.request(msg)
-        except (EOFError, OSError) as e:
+            if exc is not None:
+                raise exc
+        except (EOFError, OSError):
             err = PersistProcessDiedError(
                 f"the persist process of rank {self.rank} (pid {worker.pid}) {worker.exit_description()} while saving "
                 f"{fut.path!r}; that checkpoint was not committed (a previous checkpoint at that path is intact); "
