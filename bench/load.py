@@ -17,6 +17,7 @@ Every load is checked element-exact.
 
     python bench/load.py --ranks 8 --mesh 4 2 --mib 1024
     python bench/load.py --ranks 8 --mesh 4 2 --mib 256 --json out.json
+    python bench/load.py --ranks 8 --mesh 4 2 --mib 256 --no-torch --no-shm     # read-once over gloo only
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ def _check(state, shapes):
 
 
 def _rank(rank, world, args, root):
+    if args.hosts > 1:
+        os.environ["HYPERDCP_HOST"] = f"bench-host-{rank % args.hosts}"
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -182,6 +185,10 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-read-once", action="store_true")
+    ap.add_argument("--no-shm", action="store_true",
+                    help="read-once transfers over gloo only, also between ranks of one host (HYPERDCP_READ_ONCE_SHM=0)")
+    ap.add_argument("--hosts", type=int, default=1,
+                    help="pretend the ranks sit on this many hosts (HYPERDCP_HOST=rank %% hosts): shared memory within, gloo across")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=3600)
     args = ap.parse_args()
@@ -195,13 +202,15 @@ def main() -> None:
 
     try:
         t = time.perf_counter()
-        res = run_ranks(args.ranks, _rank, args, root, timeout=args.timeout)
+        env = {"HYPERDCP_READ_ONCE_SHM": "0"} if args.no_shm else {}
+        res = run_ranks(args.ranks, _rank, args, root, timeout=args.timeout, env=env)
         import hyperdcp
 
         unique = hyperdcp.read_metadata(os.path.join(root, "hyperdcp")).tensor_bytes
         print(f"{args.ranks} ranks, HSDP mesh {tuple(args.mesh)} save, {args.tensors} x ({args.rows}, {args.cols}) "
               f"float32 = {unique / 2**20:.0f} MiB unique; cache: {res[0][next(iter(res[0]))]['cache']}; "
-              f"read_once_batch_bytes {args.batch_mib} MiB; total run {time.perf_counter() - t:.0f} s")
+              f"read_once_batch_bytes {args.batch_mib} MiB; transport: "
+              f"{'gloo only' if args.no_shm else 'shm within a host, gloo across'}, {args.hosts} host(s); total run {time.perf_counter() - t:.0f} s")
         print(f"{'case':<16}{'library':<10}{'ampl(counted)':>14}{'ampl(rchar)':>12}{'ampl(disk)':>11}"
               f"{'wall s':>8}{'peak extra MiB (max/rank)':>27}")
         report = {}
