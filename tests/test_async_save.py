@@ -120,6 +120,17 @@ def _failures(rank, world, root, mode):
     res = hyperdcp.async_save(state2, f"{root}/ok", coordination=mode, overwrite=True).result(timeout=60)
     hyperdcp.load(back, f"{root}/ok")
     assert torch.equal(back["w"], state2["w"]) and back["step"] == 2
+
+    # 4. rank 1's persist process dies while idle: only rank 1 starts a new one, yet the ranks agree on
+    #    the persist group (gloo: every rank re-forms it at the next save, decided by a vote in the store)
+    if rank == 1:
+        w = saver.current_session().worker
+        os.kill(w.pid, signal.SIGKILL)
+        w.proc.wait(timeout=10)
+    state2["step"] = 4
+    res = hyperdcp.async_save(state2, f"{root}/ok", coordination=mode, overwrite=True).result(timeout=60)
+    hyperdcp.load(back, f"{root}/ok")
+    assert back["step"] == 4
     return res.bytes_written
 
 

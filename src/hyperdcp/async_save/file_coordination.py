@@ -68,7 +68,7 @@ class FileCoordinator(Coordinator):
             if len(out) == len(names):
                 return out
             polls += 1
-            if polls % 8 == 0:
+            if polls % 8 == 0 or delay >= 0.05:  # at the slowest poll rate, every poll (one listdir)
                 self._check_abort()
             if time.monotonic() > deadline:
                 self._check_abort()

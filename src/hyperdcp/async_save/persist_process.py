@@ -36,22 +36,46 @@ _STATE: dict[str, Any] = {"pg_prefix": None, "area": None, "cache": None, "known
 
 
 def _gloo_coordinator(msg: dict):
+    """The persist processes' gloo group, re-formed when any rank needs it (agreed through the TCPStore).
+
+    Each save starts with a vote in the store served by the rank-0 training process (three store
+    operations per rank, in this process, never on the training path): a rank votes for a new group when
+    its process is new (no group yet) or its last save failed (the group may be left unusable). If any
+    rank voted so, every rank destroys its group and joins a new one under the prefix ``g<seq>``; save
+    numbers are the same on every rank (every rank calls async_save in the same order), so all ranks
+    agree on the prefix. Ranks therefore never disagree about restarting: the decision is the count of
+    votes, read by every rank after all ranks voted.
+    """
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from ..coordination.torch_dist import TorchCoordinator
 
-    if _STATE["pg_prefix"] is None:
-        timeout = timedelta(seconds=float(msg.get("timeout") or 600))
-        store = dist.TCPStore(msg["host"], int(msg["port"]), is_master=False, timeout=timeout)
-        store = dist.PrefixStore(msg["rdzv_prefix"], store)
-        dist.init_process_group("gloo", store=store, rank=msg["rank"], world_size=msg["world_size"], timeout=timeout)
-        _STATE["pg_prefix"] = msg["rdzv_prefix"]
-    coord = TorchCoordinator(None, float(msg.get("timeout") or 600))
-    # a rank that never sent this save to its persist process is named within the timeout (monitored barrier)
-    coord.arrive(f"async save to {msg['path']!r}")
-    return coord
+    timeout = timedelta(seconds=float(msg.get("timeout") or 600))
+    store = _STATE.get("store")
+    if store is None:
+        store = _STATE["store"] = dist.TCPStore(msg["host"], int(msg["port"]), is_master=False, timeout=timeout)
+    base, seq, W = msg["rdzv_prefix"], int(msg["seq"]), int(msg["world_size"])
+    vote = f"{base}/vote/{seq}"
+    want = 1 if (_STATE["pg_prefix"] is None or _STATE.get("group_suspect")) else 0
+    store.add(f"{vote}/new-group", want)
+    if store.add(f"{vote}/arrived", 1) == W:
+        store.set(f"{vote}/decided", b"1")
+    store.wait([f"{vote}/decided"], timeout)
+    if store.add(f"{vote}/new-group", 0) > 0:
+        if _STATE["pg_prefix"] is not None:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group is replaced anyway
+                pass
+            _STATE["pg_prefix"] = None
+        prefix = f"{base}/g{seq}"
+        dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=msg["rank"], world_size=W,
+                                timeout=timeout)
+        _STATE["pg_prefix"] = prefix
+    _STATE["group_suspect"] = True  # until this save succeeds
+    return TorchCoordinator()
 
 
 def _watch_abort(msg: dict, conn: Connection, send_lock: threading.Lock, stop: threading.Event) -> None:
@@ -64,7 +88,7 @@ def _watch_abort(msg: dict, conn: Connection, send_lock: threading.Lock, stop: t
 
     import torch.distributed as dist
 
-    key = f"hyperdcp-abort/{msg['rdzv_prefix']}/{msg['seq']}"
+    key = f"hyperdcp-abort/{msg['rdzv_prefix']}/{msg['seq']}"  # the same on every rank
     try:
         store = dist.TCPStore(msg["host"], int(msg["port"]), is_master=False, timeout=timedelta(seconds=30))
     except Exception:  # noqa: BLE001 - no watcher; the group's timeout still bounds the wait
@@ -85,6 +109,30 @@ def _watch_abort(msg: dict, conn: Connection, send_lock: threading.Lock, stop: t
                            "traceback": "", "rank_errors": {}})
             finally:
                 os._exit(1)
+
+
+def _explain_gloo_failure(msg: dict, e: BaseException, wait: float = 3.0) -> BaseException:
+    """A collective that failed because a peer persist process died ("connection closed by peer") names no
+    rank; the dead rank's training process announces it in the store within a second or so (its abort
+    watcher races with gloo's own error): wait briefly for that announcement and report it instead."""
+    from ..errors import CoordinationError, RemoteRankError
+
+    store = _STATE.get("store")
+    if store is None or isinstance(e, RemoteRankError) or getattr(e, "rank_errors", None):
+        return e
+    key = f"hyperdcp-abort/{msg['rdzv_prefix']}/{msg['seq']}"
+    deadline = time.monotonic() + wait
+    try:
+        while time.monotonic() < deadline:
+            if store.check([key]):
+                why = store.get(key).decode("utf-8", "replace")
+                err = CoordinationError(f"rank {msg['rank']}: the save of {msg['path']!r} was abandoned: {why}")
+                err.__cause__ = e
+                return err
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001
+        pass
+    return e
 
 
 def _area(path: str, nbytes: int):
@@ -211,10 +259,17 @@ def _save(msg: dict) -> dict:
                     _cleanup_exchange(os.path.dirname(msg["exchange_dir"]), W, msg["exchange_dir"])
             else:
                 coord = LocalCoordinator()
-            res = persist(coord, staged, msg["path"], opts, cache)
-            if mode == "file":
-                with open(os.path.join(msg["exchange_dir"], f"done-{rank}"), "wb"):
-                    pass
+            try:
+                res = persist(coord, staged, msg["path"], opts, cache)
+            finally:
+                if mode == "file":  # success or not, this rank is finished with the exchange directory
+                    try:
+                        with open(os.path.join(msg["exchange_dir"], f"done-{rank}"), "wb"):
+                            pass
+                    except OSError:
+                        pass
+            if mode == "gloo":
+                _STATE["group_suspect"] = False
     finally:
         restore = _STATE.pop("restore", None)
         if restore is not None:
@@ -275,7 +330,7 @@ def main(fd: int) -> None:
             try:
                 reply = {"ok": True, **_save(msg)}
             except BaseException as e:  # noqa: BLE001 - everything goes back to the training process
-                reply = _error_reply(e)
+                reply = _error_reply(_explain_gloo_failure(msg, e) if msg.get("mode") == "gloo" else e)
             area = _STATE["area"]
             if area is not None:
                 reply["mapped"] = area.path

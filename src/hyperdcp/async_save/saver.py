@@ -96,6 +96,7 @@ class _Session:
         if w is None:
             w = self.worker = PersistWorker(self.rank, seq)
             self.restart = False
+            self.sent_keys = set()  # a new process has an empty plan cache: send it the known plans
         return w
 
     def _cache_entries(self) -> list:
@@ -144,7 +145,7 @@ class _Session:
             "op": "save", "path": path, "rank": self.rank, "world_size": self.world_size, "mode": mode,
             "options": {f: getattr(opts, f) for f in _OPTION_FIELDS}, "cache": self._cache_entries(),
             "timeout": opts.timeout, "host": self.host, "port": self.port,
-            "rdzv_prefix": f"hyperdcp-persist/{self.token}/{worker.started_at_seq}", "exchange_dir": xdir,
+            "rdzv_prefix": f"hyperdcp-persist/{self.token}", "exchange_dir": xdir,
             "save_id": f"{self.token}-{seq}", "fault": TEST_FAULT, "seq": seq,
         }
         if copy is not None:
@@ -195,8 +196,8 @@ class _Session:
             self._absorb_cache(reply.get("cache", []))
             fut._finish(SaveResult(**reply["result"]), None)
             return
-        if self.mode == "gloo":
-            self.restart = True  # the persist group may be unusable after a failed collective
+        # gloo mode: the persist process keeps running; it votes for a new group at the next save (see
+        # persist_process._gloo_coordinator), so every rank re-forms the group together
         fut._finish(None, _rebuild(reply, self.rank, fut.path))
 
     def _drop_child_area(self) -> None:
