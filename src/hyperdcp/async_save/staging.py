@@ -302,21 +302,25 @@ class Stager:
             _collect(state_dict, fast.skeleton, leaves)
         except _Miss:
             return None
-        now = list(fast.locs)
-        for j, (i, obj, loc, shp, dt, spec) in enumerate(fast.tensor_leaves):
+        now = [None] * len(fast.tensor_leaves)
+        for j, (i, typ, shp, dt, spec) in enumerate(fast.tensor_leaves):
             v = leaves[i]
-            if v is obj and (spec is None or (v._spec is spec and v._local_tensor is loc)):
-                cur = loc
-            else:  # a new tensor object (e.g. from model.state_dict()): same cached description, or the full path
+            if type(v) is not typ:
+                return None
+            if spec is None:
+                cur = v  # a plain tensor's description is its shape and dtype, checked below
+            elif v._spec is spec:  # the same placement spec object: same mesh, placements, global shape
+                cur = v._local_tensor
+            else:  # e.g. a new DTensor from model.state_dict(): the same cached description, or the full path
                 try:
-                    st, cur = self._torch_leaf(fast.fqns[j], v, ctx) if isinstance(v, fast.tensor_type) else (None, None)
+                    st, cur = self._torch_leaf(fast.fqns[j], v, ctx)
                 except StateDictError:
                     return None
                 if st is not fast.sts[j]:
                     return None
-                now[j] = cur
             if cur.dtype is not dt or cur.shape != shp or not cur.is_cpu:
                 return None
+            now[j] = cur
         vals = {}
         for i, fqn in fast.value_leaves:
             v = leaves[i]
@@ -428,10 +432,9 @@ class _Fast:
 
     layout: Layout
     skeleton: tuple
-    tensor_leaves: list  # (leaf index, tensor object, local tensor, shape, dtype, DTensor spec or None)
+    tensor_leaves: list  # (leaf index, type, local shape, dtype, DTensor spec or None); no tensor is kept alive
     fqns: list  # per tensor leaf
     sts: list  # per tensor leaf: the cached ShardedTensor description
-    locs: list  # per tensor leaf: the local tensor of the last call
     value_leaves: list  # (leaf index, fqn)
     chunk_src: list  # per chunk: its tensor leaf
     dsts: list
@@ -464,7 +467,7 @@ class _Fast:
             if j is None or not isinstance(s, torch_mod.Tensor) or not s.is_cpu:
                 return None
             chunk_src.append(j)
-        t_leaves, locs, vleaves, j = [], [], [], 0
+        t_leaves, vleaves = [], []
         for i, (fqn, kind) in enumerate(leaves):
             v = flat[i]
             if kind != TENSOR:
@@ -474,10 +477,8 @@ class _Fast:
             loc = v._local_tensor if is_dt else v
             if loc.layout is not torch_mod.strided or not loc.is_cpu:
                 return None
-            t_leaves.append((i, v, loc, loc.shape, loc.dtype, v._spec if is_dt else None))
-            locs.append(loc)
-            j += 1
-        return cls(lay, skel, t_leaves, t_fqns, list(tensors), locs, vleaves, chunk_src, list(lay.dst_torch),
+            t_leaves.append((i, type(v), loc.shape, loc.dtype, v._spec if is_dt else None))
+        return cls(lay, skel, t_leaves, t_fqns, list(tensors), vleaves, chunk_src, list(lay.dst_torch),
                    replicas, torch_mod, torch_mod.Tensor)
 
 
