@@ -62,6 +62,12 @@ def _gloo_coordinator(msg: dict):
     store.add(f"{vote}/new-group", want)
     if store.add(f"{vote}/arrived", 1) == W:
         store.set(f"{vote}/decided", b"1")
+        # every rank has left the previous vote (it is in this one): its keys can go
+        for k in ("new-group", "arrived", "decided"):
+            try:
+                store.delete_key(f"{base}/vote/{seq - 1}/{k}")
+            except Exception:  # noqa: BLE001 - a leftover key is harmless
+                pass
     store.wait([f"{vote}/decided"], timeout)
     if store.add(f"{vote}/new-group", 0) > 0:
         if _STATE["pg_prefix"] is not None:
