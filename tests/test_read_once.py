@@ -214,3 +214,22 @@ def test_same_host_shared_memory_and_cross_host_p2p(ckpt):
         assert r0[("four", case)][1] == 0 and r0[("four", case)][2] > 0  # all point to point
         assert r0[("off", case)][1] == 0 and r0[("off", case)][2] > 0  # HYPERDCP_READ_ONCE_SHM=0
     assert r0[("two", "cols")][1] > 0 and r0[("two", "cols")][2] > 0  # both transports in one load
+
+
+def test_shm_layout_falls_back_per_host_without_room():
+    """Readers sharing a host use its /dev/shm only while it has room; otherwise everything goes point to point."""
+    from hyperdcp.core.boxes import Box
+    from hyperdcp.exchange import Need, Schedule, Unit, shm_layout
+
+    b = Box((0,), (1,))
+    units = [Unit(0, 0, 0, 0, 1000, [Need(0, 0, b, 1000, True), Need(1, 0, b, 1000, True)], reader=0),
+             Unit(1, 0, 1, 0, 1000, [Need(2, 0, b, 1000, True), Need(3, 0, b, 1000, True)], reader=2)]
+    sched = Schedule(units, [units], [1000, 0, 1000, 0])
+    names = [f"hyperdcp-ro-{i:024x}" for i in range(4)]
+    roomy = shm_layout(sched, ["a", "a", "b", "b"], names, [1 << 30] * 4, 1 << 20)
+    assert roomy.offset == {0: 0, 1: 0} and roomy.slot == [1024, 0, 1024, 0] and roomy.nslots == 1
+    assert roomy.via(units[0], 1) and roomy.via(units[1], 3) and not roomy.via(units[0], 0)
+    tight = shm_layout(sched, ["a", "a", "b", "b"], names, [1 << 30, 1 << 30, 100, 1 << 30], 1 << 20)
+    assert tight.offset == {0: 0} and tight.names[2] == "" and not tight.via(units[1], 3)  # host b: p2p
+    split = shm_layout(sched, ["a", "c", "b", "b"], names, [1 << 30] * 4, 1 << 20)
+    assert not split.via(units[0], 1) and split.via(units[1], 3)  # rank 1 elsewhere: p2p

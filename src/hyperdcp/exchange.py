@@ -38,6 +38,7 @@ instead of leaving the others waiting for its data.
 from __future__ import annotations
 
 import atexit
+import errno
 import mmap
 import os
 import re
@@ -547,13 +548,20 @@ class _Exchange:
         size = shm.nslots * shm.slot[me]
         if size and self.seg is not None:
             try:
-                os.posix_fallocate(self.seg.fd, 0, size)  # /dev/shm full: an error here, not SIGBUS later
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(self.seg.fd, 0, size)  # /dev/shm full: an error here, not SIGBUS later
             except OSError as e:
-                raise CheckpointError(
-                    f"read-once: rank {me} cannot reserve {size} bytes of shared memory in {self.seg.path} "
-                    f"({e.strerror or e}); free /dev/shm, lower read_once_batch_bytes or set HYPERDCP_READ_ONCE_SHM=0"
-                ) from None
-            self.own_map = mmap.mmap(self.seg.fd, size)
+                if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    pass  # no reservation on this file system; the free-space check before the load still applies
+                else:
+                    raise CheckpointError(
+                        f"read-once: rank {me} cannot reserve {size} bytes of shared memory in {self.seg.path} "
+                        f"({e.strerror or e}); free /dev/shm, lower read_once_batch_bytes or set HYPERDCP_READ_ONCE_SHM=0"
+                    ) from None
+            try:
+                self.own_map = mmap.mmap(self.seg.fd, size)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"read-once: rank {me} cannot map its shared memory {self.seg.path} ({e})") from None
         peers = sorted({u.reader for b in self.sched.batches for u in b for n in u.needs
                         if n.rank == me and shm.via(u, me)})
         for r in peers:
