@@ -59,16 +59,40 @@ def _gloo_coordinator(msg: dict):
     base, seq, W = msg["rdzv_prefix"], int(msg["seq"]), int(msg["world_size"])
     vote = f"{base}/vote/{seq}"
     want = 1 if (_STATE["pg_prefix"] is None or _STATE.get("group_suspect")) else 0
+    rank = int(msg["rank"])
+    store.set(f"{vote}/in/{rank}", b"1")  # who arrived: to name the missing ranks if the vote times out
     store.add(f"{vote}/new-group", want)
     if store.add(f"{vote}/arrived", 1) == W:
         store.set(f"{vote}/decided", b"1")
-        # every rank has left the previous vote (it is in this one): its keys can go
+        # every rank has left the previous vote (it is in this one): its shared keys can go
         for k in ("new-group", "arrived", "decided"):
             try:
                 store.delete_key(f"{base}/vote/{seq - 1}/{k}")
             except Exception:  # noqa: BLE001 - a leftover key is harmless
                 pass
-    store.wait([f"{vote}/decided"], timeout)
+    try:
+        store.delete_key(f"{base}/vote/{seq - 1}/in/{rank}")
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        store.wait([f"{vote}/decided"], timeout)
+    except Exception as e:  # noqa: BLE001 - name who never arrived
+        from ..errors import CoordinationError
+
+        missing = []
+        try:
+            for r in range(W):
+                if not store.check([f"{vote}/in/{r}"]):
+                    missing.append(r)
+                    if len(missing) >= 16:
+                        break
+        except Exception:  # noqa: BLE001
+            pass
+        raise CoordinationError(
+            f"rank {rank}: saving {msg['path']!r}: rank(s) {missing or '?'} did not start this save within "
+            f"{timeout.total_seconds():.0f}s (their training processes did not call async_save, or their persist "
+            f"processes are stuck or dead); nothing was committed"
+        ) from e
     if store.add(f"{vote}/new-group", 0) > 0:
         if _STATE["pg_prefix"] is not None:
             try:
