@@ -38,8 +38,8 @@ _STATE: dict[str, Any] = {"pg_prefix": None, "area": None, "cache": None, "known
 def _gloo_coordinator(msg: dict):
     """The persist processes' gloo group, re-formed when any rank needs it (agreed through the TCPStore).
 
-    Each save starts with a vote in the store served by the rank-0 training process (three store
-    operations per rank, in this process, never on the training path): a rank votes for a new group when
+    Each save starts with a vote in the store served by the rank-0 training process (a handful of
+    store operations per rank, in this process, never on the training path): a rank votes for a new group when
     its process is new (no group yet) or its last save failed (the group may be left unusable). If any
     rank voted so, every rank destroys its group and joins a new one under the prefix ``g<seq>``; save
     numbers are the same on every rank (every rank calls async_save in the same order), so all ranks
