@@ -23,7 +23,6 @@ import struct
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -44,6 +43,7 @@ from .errors import (
 from .format.metadata import METADATA_FILE, ChunkTable, FileMeta, Metadata, TensorMeta
 from .storage.checksum import block_digests
 from .storage.data_file import MAX_HEADER_BYTES, ChunkToWrite, build_header, read_header
+from .storage.threads import run_all
 
 INDEX_SUFFIX = ".safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -483,12 +483,7 @@ def hf_to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool
 
             try:
                 jobs.sort(key=lambda j: -meta.tensors[j[3]].nbytes)  # big first: balances threads
-                if threads > 1 and len(jobs) > 1:
-                    with ThreadPoolExecutor(min(threads, len(jobs))) as ex:
-                        list(ex.map(copy, jobs))
-                else:
-                    for j in jobs:
-                        copy(j)
+                run_all(copy, jobs, threads)
             finally:
                 progress.close()
             for _, out_fd, path in fds:
@@ -613,12 +608,7 @@ def dcp_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size:
                 budget.release(need)
 
         try:
-            if threads > 1 and len(jobs) > 1:
-                with ThreadPoolExecutor(min(threads, len(jobs))) as ex:
-                    list(ex.map(one, jobs))
-            else:
-                for j in jobs:
-                    one(j)
+            run_all(one, jobs, threads)
         finally:
             progress.close()
         for fd, p in zip(fds, partial):

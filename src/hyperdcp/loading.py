@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,6 +30,7 @@ from .planning.load_plan import ChunkRead, Piece, TensorIndex, check_compatible,
 from .storage.checksum import verify_blocks
 from .storage.commit import read_metadata_bytes
 from .storage.reader import DataFiles
+from .storage.threads import run_all
 
 
 @dataclass
@@ -112,12 +112,7 @@ def execute_local_reads(files: DataFiles, meta: Metadata, reads: list[ChunkRead]
                 if p.dst is not None:
                     copy_piece(buf, r, meta, p)
 
-    if opts.read_threads > 1 and len(reads) > 1:
-        with ThreadPoolExecutor(min(opts.read_threads, len(reads))) as ex:
-            list(ex.map(one, sorted(reads, key=lambda r: (r.file, r.begin + r.lo))))
-    else:
-        for r in reads:
-            one(r)
+    run_all(one, sorted(reads, key=lambda r: (r.file, r.begin + r.lo)), opts.read_threads)
 
 
 @dataclass

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +28,7 @@ from .options import SaveOptions
 from .planning.save_plan import GlobalPlan, LocalPlan, PlanCache, plan_global
 from .storage.commit import SaveTarget, load_metadata
 from .storage.data_file import ChunkToWrite, WrittenFile, chunk_name, write_data_file
+from .storage.threads import run_all
 
 
 @dataclass
@@ -102,11 +102,7 @@ def _write_assigned(tmp: str, rank: int, staged: StagedState, assignment: np.nda
             whole = sh.box.lengths == tuple(st.shape)
             chunks.append(ChunkToWrite(chunk_name(st.fqn, sh.box.offsets, whole), st.dtype, sh.box.lengths, sh.data))
         jobs.append((name, chunks))
-    if len(jobs) == 1:
-        written = [write_data_file(tmp, jobs[0][0], jobs[0][1], opts.checksum_block_bytes)]
-    else:
-        with ThreadPoolExecutor(len(jobs)) as ex:
-            written = list(ex.map(lambda j: write_data_file(tmp, j[0], j[1], opts.checksum_block_bytes), jobs))
+    written = run_all(lambda j: write_data_file(tmp, j[0], j[1], opts.checksum_block_bytes), jobs, len(jobs))
     fidx = np.concatenate([np.full(len(g), fi, np.int64) for fi, g in enumerate(groups)])
     begin = np.concatenate([np.array(w.begin, np.int64) for w in written])
     end = np.concatenate([np.array(w.end, np.int64) for w in written])

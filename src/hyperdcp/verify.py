@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import xxhash
@@ -23,6 +22,7 @@ from .errors import CheckpointError
 from .format.metadata import METADATA_FILE, Metadata
 from .storage.commit import load_metadata
 from .storage.reader import DataFiles
+from .storage.threads import run_all
 
 #: bytes read per pread while verifying (whole checksum blocks are assembled from these)
 _READ_BYTES = 8 << 20
@@ -133,12 +133,7 @@ def verify_checkpoint(path: str | os.PathLike, threads: int = 8) -> VerifyReport
                 rep.bad_chunks.append(bad)
 
     try:
-        if threads > 1 and len(jobs) > 1:
-            with ThreadPoolExecutor(min(threads, len(jobs))) as ex:
-                list(ex.map(one, jobs))
-        else:
-            for j in jobs:
-                one(j)
+        run_all(one, jobs, threads)
     finally:
         files.close()
     rep.bad_chunks.sort(key=lambda b: (b.file, b.byte_offset))
