@@ -133,24 +133,18 @@ def build_metadata(plan: GlobalPlan, results: list[bytes], values: dict, opts: S
     counts = np.array([len(x) for x in fl], np.int64)
     rank_start = np.concatenate([[0], np.cumsum(counts)[:-1]])
     gfile, gbegin, gend = (np.concatenate(x) if x else np.zeros(0, np.int64) for x in (fl, bl, el))
-    g = rank_start[plan.u_writer] + plan.u_slot
+    g = rank_start[plan.u_writer] + plan.u_slot  # unique chunk -> its row in the concatenated results
+    ufile, ubegin, uend = gfile[g], gbegin[g], gend[g]
+    usums = [sums[i] for i in g.tolist()]
     ranges = plan.tensor_ranges()
     tensors = {}
     for t, spec in enumerate(plan.tensors):
-        sl = slice(ranges[t], ranges[t + 1])
+        a, b = int(ranges[t]), int(ranges[t + 1])
         nd = len(spec.shape)
-        gi = g[sl]
         tensors[spec.fqn] = TensorMeta(
             spec.dtype,
             spec.shape,
-            ChunkTable(
-                np.ascontiguousarray(plan.u_offsets[sl, :nd]),
-                np.ascontiguousarray(plan.u_lengths[sl, :nd]),
-                gfile[gi],
-                gbegin[gi],
-                gend[gi],
-                [sums[i] for i in gi.tolist()],
-            ),
+            ChunkTable(plan.u_offsets[a:b, :nd], plan.u_lengths[a:b, :nd], ufile[a:b], ubegin[a:b], uend[a:b], usums[a:b]),
         )
     return Metadata(
         world_size=W,
