@@ -10,10 +10,8 @@ import ast
 import json
 import os
 import pathlib
-import random
 import struct
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

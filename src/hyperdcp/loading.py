@@ -20,8 +20,7 @@ import numpy as np
 
 from . import adapters
 from .adapters.state_dict import TENSOR, LoadLeaf, leaves_for_load
-from .coordination.base import Coordinator, all_gather_checked, broadcast_checked, run_checked
-from .core import dtypes
+from .coordination.base import Coordinator, broadcast_checked, run_checked
 from .core.shards import ShardedTensor
 from .errors import CorruptionError, MismatchError, StateDictError
 from .format.metadata import METADATA_FILE, Metadata

@@ -27,7 +27,7 @@ from .format.metadata import ChunkTable, FileMeta, Metadata, TensorMeta
 from .options import SaveOptions
 from .planning.save_plan import GlobalPlan, LocalPlan, PlanCache, plan_global
 from .storage.commit import SaveTarget, load_metadata
-from .storage.data_file import ChunkToWrite, WrittenFile, chunk_name, write_data_file
+from .storage.data_file import ChunkToWrite, chunk_name, write_data_file
 from .storage.threads import run_all
 
 

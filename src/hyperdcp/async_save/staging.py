@@ -29,7 +29,7 @@ import xxhash
 from .. import adapters
 from ..adapters import is_tensor_like
 from ..adapters.state_dict import TENSOR, _join, iter_leaves
-from ..core.boxes import Box, full_box
+from ..core.boxes import full_box
 from ..core.shards import LocalShard, ShardedTensor, check_shard_buffer
 from ..errors import StateDictError, StorageError
 from ..format import values as values_codec
@@ -402,14 +402,13 @@ def _collect(d: dict, node: tuple, out: list) -> None:
 
 def _skeleton(d: dict, prefix: str, torch_mod, fqns: list, leaves: list) -> tuple:
     """The key skeleton of a tree of plain dicts whose leaves are torch tensors or plain values, else _Miss."""
-    keys, kids, any_tensor = tuple(d), [], False
+    keys, kids = tuple(d), []
     for k, v in d.items():
         fqn = _join(prefix, k)
         if isinstance(v, torch_mod.Tensor):
             kids.append(None)
             fqns.append(fqn)
             leaves.append((fqn, TENSOR))
-            any_tensor = True
         elif values_codec.is_plain(v):
             kids.append(None)
             fqns.append(fqn)
@@ -420,7 +419,6 @@ def _skeleton(d: dict, prefix: str, torch_mod, fqns: list, leaves: list) -> tupl
             if not any(kind == TENSOR for _, kind in leaves[n0:]):
                 raise _Miss  # a container of values only: keep to the full walk's rules
             kids.append(kid)
-            any_tensor = True
         else:
             raise _Miss  # numpy arrays, lists/tuples of tensors, stateful objects: the full path
     return keys, (None if all(k is None for k in kids) else kids)

@@ -16,7 +16,7 @@ import traceback
 from abc import ABC, abstractmethod
 from typing import Callable, Sequence, TypeVar
 
-from ..errors import CheckpointError, RemoteRankError
+from ..errors import RemoteRankError
 
 T = TypeVar("T")
 
@@ -121,10 +121,6 @@ def unpack_status(msg: bytes, coord: Coordinator, what: str, src: int) -> bytes:
         text = msg[1:].decode("utf-8", "replace")
         raise RemoteRankError(f"{what} failed on rank {src}: {text.split(chr(10), 1)[-1]}", {src: text})
     return msg[1:]
-
-
-def is_checkpoint_error(e: BaseException) -> bool:
-    return isinstance(e, CheckpointError)
 
 
 def all_gather_checked(coord: Coordinator, what: str, fn: Callable[[], bytes]) -> list[bytes]:

@@ -251,12 +251,3 @@ class TorchCoordinator(Coordinator):
         buf = _t(data) if self.rank == src else torch.empty(max(n, 1), dtype=torch.uint8)
         self._call(dist.broadcast, buf, src=self._global[src], group=self.group)
         return buf.numpy()[:n].tobytes()
-
-
-def default_coordinator(pg=None, timeout: float | None = None) -> Coordinator:
-    """The coordinator for a call: torch.distributed when initialized, else a single process."""
-    if dist.is_available() and dist.is_initialized():
-        return TorchCoordinator(pg, timeout)
-    from .base import LocalCoordinator
-
-    return LocalCoordinator()

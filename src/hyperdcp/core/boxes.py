@@ -205,11 +205,6 @@ class BoxIndex:
         return cand[hit]
 
 
-def box_view(buf: np.ndarray, lengths: Sequence[int], itemsize: int) -> np.ndarray:
-    """View a flat uint8 buffer holding a C-ordered box as an array of shape (*lengths, itemsize)."""
-    return buf.reshape(tuple(int(n) for n in lengths) + (itemsize,))
-
-
 def grid_tiles(tidx: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, shapes: np.ndarray) -> np.ndarray:
     """Per tensor: True where its boxes certainly tile it exactly as a grid (vectorised over tensors).
 

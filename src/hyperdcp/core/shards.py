@@ -8,7 +8,7 @@ the adapters sees only this.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
@@ -73,7 +73,3 @@ def check_shard_buffer(fqn: str, shard: LocalShard, dtype: str) -> None:
             f"adapter bug for {fqn!r}: box {shard.box} needs a flat uint8 buffer of {want} bytes, "
             f"got {shard.data.dtype} {shard.data.shape}"
         )
-
-
-def boxes_of(shards: Sequence[LocalShard]) -> list[Box]:
-    return [s.box for s in shards]

@@ -7,7 +7,6 @@ what it read without reading the whole chunk.
 
 from __future__ import annotations
 
-import numpy as np
 import xxhash
 
 from ..format.metadata import n_blocks
@@ -36,7 +35,3 @@ def verify_blocks(data, first_block: int, checksums: str, block_bytes: int) -> i
         if "%016x" % xxhash.xxh3_64_intdigest(mv[i * block_bytes : (i + 1) * block_bytes]) != want:
             return first_block + i
     return None
-
-
-def as_bytes(a: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(a)).cast("B")
