@@ -136,3 +136,14 @@ def test_hsdp_on_8_ranks_balances_writers_within_5_percent():
     assert per.sum() == unique
     print(f"largest writer / mean writer: {per.max() / per.mean():.4f}")
     assert per.max() <= 1.05 * per.mean(), per / per.mean()
+
+
+def test_huge_dimensions_use_64_bit_plans_and_mix_with_32_bit_ones():
+    big = 3_000_000_000  # past int32
+    specs = [TensorSpec("big", "U8", (big,)), TensorSpec("small", "F32", (4,))]
+    a = LocalPlan(specs, [], [0, 1], [[0], [0]], [[big // 2], [4]])
+    b = LocalPlan(specs, [], [0, 1], [[big // 2], [0]], [[big - big // 2], [4]])
+    assert b.rows.dtype == np.int64  # the end of its box does not fit in int32
+    g = plan_global([LocalPlan.from_bytes(a.to_bytes()), LocalPlan.from_bytes(b.to_bytes())])
+    assert sorted(g.u_offsets[:, 0].tolist()) == [0, 0, big // 2]
+    assert g.bytes_per_rank.sum() == big + 16

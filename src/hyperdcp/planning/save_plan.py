@@ -59,7 +59,10 @@ class LocalPlan:
         offsets = np.asarray(offsets, dtype=np.int64).reshape(n, -1) if n else np.zeros((0, np.shape(offsets)[-1] if np.ndim(offsets) == 2 else 0), np.int64)
         lengths = np.asarray(lengths, dtype=np.int64).reshape(offsets.shape)
         #: one (n, 1 + 2D) block [tidx | offsets | lengths], so that rank 0 concatenates one array per rank
-        self.rows = np.concatenate([tidx[:, None], offsets, lengths], axis=1)
+        rows = np.concatenate([tidx[:, None], offsets, lengths], axis=1)
+        # int32 when every value and every box end fits: half the bytes to send and to concatenate
+        small = not n or (rows.min() >= 0 and int((offsets + lengths).max(initial=0)) < 2**31 - 1 and int(rows.max()) < 2**31 - 1)
+        self.rows = rows.astype(np.int32) if small else rows
         self._set_views()
         self._bytes: bytes | None = None
         self._table: bytes | None = None
@@ -108,7 +111,9 @@ class LocalPlan:
         if self._bytes is None:
             table = self.table_json()
             n, D = len(self.rows), (self.rows.shape[1] - 1) // 2
-            self._bytes = b"".join([_PLAN_MAGIC, struct.pack("<QQQ", len(table), n, D), table, self.rows.astype("<i8").tobytes()])
+            wide = self.rows.dtype.itemsize == 8
+            self._bytes = b"".join([_PLAN_MAGIC, struct.pack("<QQQ", len(table), n, D | (wide << 32)), table,
+                                    self.rows.astype("<i8" if wide else "<i4").tobytes()])
         return self._bytes
 
     @classmethod
@@ -128,7 +133,8 @@ class LocalPlan:
                 tables[table] = decoded
         plan = cls.__new__(cls)
         plan.tensors, plan.value_keys = decoded
-        plan.rows = np.frombuffer(raw, "<i8", n * (1 + 2 * D), pos).reshape(n, 1 + 2 * D)
+        wide, D = D >> 32, D & 0xFFFFFFFF
+        plan.rows = np.frombuffer(raw, "<i8" if wide else "<i4", n * (1 + 2 * D), pos).reshape(n, 1 + 2 * D)
         plan._set_views()
         plan._bytes, plan._table = raw, table
         return plan
@@ -277,8 +283,7 @@ def plan_global(plans: Sequence[LocalPlan]) -> GlobalPlan:
         st = strides[:, d][tidx]
         key += o * st
         hi -= 1
-        hi *= st
-        last += hi
+        last += hi * st
     if bad:
         spec_shape = np.array([list(sp.shape) + [1] * (D - len(sp.shape)) for sp in specs], dtype=np.int64).reshape(T, D)
         out = ((offs < 0) | (lens <= 0) | (offs + lens > spec_shape[tidx])).any(axis=1)
@@ -312,8 +317,8 @@ def plan_global(plans: Sequence[LocalPlan]) -> GlobalPlan:
         )
     u_rows = order[first]
     u_tidx = tidx[u_rows]
-    u_off = offs[u_rows]
-    u_len = lens[u_rows]
+    u_off = offs[u_rows].astype(np.int64)
+    u_len = lens[u_rows].astype(np.int64)
     vol = u_len.prod(axis=1) if D else np.ones(U, np.int64)
 
     # every tensor tiled exactly: a vectorised grid test for all tensors, the general check for the rest
