@@ -106,7 +106,7 @@ def bench_hyperdcp(specs, per_rank, W):
     }
 
 
-def bench_torch(specs, kinds, per_rank, W):
+def bench_torch(specs, kinds, per_rank, W, repeat: int = 1):
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -129,11 +129,14 @@ def bench_torch(specs, kinds, per_rank, W):
                 ),
             ))
         plans.append(SavePlan(items, planner_data={}))
-    planner = DefaultSavePlanner()
-    gc.collect()
-    t0 = time.perf_counter()
-    planner.create_global_plan(plans)
-    return {"plan_s": time.perf_counter() - t0}
+    times = []
+    for _ in range(repeat):
+        planner = DefaultSavePlanner()
+        gc.collect()
+        t0 = time.perf_counter()
+        planner.create_global_plan(plans)
+        times.append(time.perf_counter() - t0)
+    return {"plan_s": float(np.median(times)), "all": times}
 
 
 def main() -> None:
@@ -142,20 +145,24 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=100)
     ap.add_argument("--hidden", type=int, default=8192)
     ap.add_argument("--no-torch", action="store_true", help="skip torch.distributed.checkpoint")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each planner; medians are compared")
     args = ap.parse_args()
     R, S, T = args.mesh
     W = R * S * T
     specs, kinds, per_rank = layout(R, S, T, args.tensors, args.hidden)
     print(f"layout: HSDP+TP mesh ({R},{S},{T}) = {W} ranks, {args.tensors} tensors")
-    h = bench_hyperdcp(specs, per_rank, W)
-    print(f"  chunk entries (rank x box): {h['entries']:,}; unique chunks: {h['unique_chunks']:,}")
+    runs = [bench_hyperdcp(specs, per_rank, W) for _ in range(args.repeat)]
+    h = {k: float(np.median([r[k] for r in runs])) if isinstance(runs[0][k], float) else runs[0][k] for k in runs[0]}
+    h["plan_all"] = [round(r["decode_s"] + r["plan_s"], 3) for r in runs]
+    print(f"  chunk entries (rank x box): {h['entries']:,}; unique chunks: {h['unique_chunks']:,}; "
+          f"medians of {args.repeat} runs (hyperdcp decode+plan runs: {h['plan_all']})")
     print(f"hyperdcp: decode {h['decode_s']:.3f}s + global plan {h['plan_s']:.3f}s = {h['decode_s'] + h['plan_s']:.3f}s;"
           f" metadata build+encode {h['metadata_s']:.3f}s, {h['metadata_bytes'] / 1e6:.1f} MB;"
           f" largest writer / mean writer = {h['max_over_mean_writer']:.3f} over {h['writing_ranks']} writing ranks")
     if not args.no_torch:
-        t = bench_torch(specs, kinds, per_rank, W)
+        t = bench_torch(specs, kinds, per_rank, W, args.repeat)
         ours = h["decode_s"] + h["plan_s"]
-        print(f"torch.distributed.checkpoint create_global_plan: {t['plan_s']:.3f}s")
+        print(f"torch.distributed.checkpoint create_global_plan: {t['plan_s']:.3f}s (runs: {[round(x, 3) for x in t['all']]})")
         print(f"ratio torch / hyperdcp (global planning): {t['plan_s'] / ours:.1f}x")
         print(f"ratio torch / hyperdcp (planning + metadata): {t['plan_s'] / (ours + h['metadata_s']):.1f}x")
 
