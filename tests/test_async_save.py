@@ -214,3 +214,20 @@ def test_warm_staging_detects_changes(tmp_path):
     hyperdcp.load(like, tmp_path / "g")
     assert torch.equal(like["m"]["p0"], torch.full((3, 1), 11.0))
     hyperdcp.async_save_shutdown() if hasattr(hyperdcp, "async_save_shutdown") else saver.shutdown()
+
+
+def test_staging_files_of_dead_processes_are_removed(tmp_path):
+    """A rank killed before its persist process mapped the staging file must not leak it in /dev/shm."""
+    import subprocess
+    import sys
+
+    from hyperdcp.async_save.staging import remove_stale_areas
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    stale = tmp_path / f"hyperdcp-stage-{dead}-0123456789ab"
+    alive = tmp_path / f"hyperdcp-stage-{os.getppid()}-0123456789ab"
+    other = tmp_path / "unrelated-file"
+    for f in (stale, alive, other):
+        f.write_bytes(b"x")
+    assert remove_stale_areas(str(tmp_path)) == 1
+    assert not stale.exists() and alive.exists() and other.exists()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import secrets
 import sys
 import tempfile
@@ -44,6 +45,36 @@ def shm_dir() -> str:
     return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
 
 
+_STAGE_RE = re.compile(r"hyperdcp-stage-(\d+)-[0-9a-f]+\Z")
+
+
+def remove_stale_areas(directory: str) -> int:
+    """Unlink staging files left by processes that no longer exist (e.g. a rank killed with SIGKILL
+    before its persist process mapped the area); they would otherwise hold RAM in /dev/shm forever."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        m = _STAGE_RE.match(name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # its owner is alive
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue  # alive but not ours to signal
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 class ShmArea:
     """A named shared-memory file of ``nbytes`` bytes, mapped read-write (the owner) or read-only."""
 
@@ -52,6 +83,8 @@ class ShmArea:
         self.owner = path is None
         self.path = path or os.path.join(shm_dir(), f"hyperdcp-stage-{os.getpid()}-{secrets.token_hex(6)}")
         flags = os.O_RDONLY if readonly else os.O_RDWR
+        if self.owner:
+            remove_stale_areas(os.path.dirname(self.path))
         try:
             if self.owner:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
