@@ -15,7 +15,6 @@ the damaged bytes are ones no reader depends on; counted, allowed only with --al
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -26,6 +25,7 @@ import time
 import numpy as np
 
 import hyperdcp
+from tests.faults.report import finish
 
 MODES = ("flip", "zero", "random", "truncate")
 
@@ -150,13 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--allow-benign", action="store_true")
     a = ap.parse_args(argv)
     res = campaign(a.trials, a.seed)
-    print(json.dumps({k: v for k, v in res.items() if k != "failures"}, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
     bad = len(res["failures"]) + (0 if a.allow_benign else res["counts"].get("benign", 0))
-    print("PASS" if not bad else f"FAIL: {bad} trial(s) not detected")
-    return 0 if not bad else 1
+    return finish(res, a.json, bad, "trial(s) not detected")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ process). Then:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -27,6 +26,7 @@ import tempfile
 import time
 
 import numpy as np
+from tests.faults.report import finish
 
 NTENSORS = 6
 ROWS_PER_RANK = 256
@@ -327,12 +327,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     res = campaign(a.trials, a.world, a.mode, a.seed, a.root, coordination=a.coordination, warmup=a.warmup,
                    window_scale=a.window_scale, timeout=a.timeout, log=lambda m: print(m, flush=True))
-    print(json.dumps({k: v for k, v in res.items() if k not in ("failures", "trials_log")}, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
-    print("PASS" if not res["failures"] else f"FAIL: {len(res['failures'])} trial(s)")
-    return 0 if not res["failures"] else 1
+    return finish(res, a.json, len(res["failures"]), hidden=("failures", "trials_log"))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import xxhash
 
 import hyperdcp
 from hyperdcp.storage.data_file import read_header
+from tests.faults.report import finish
 
 META = "hyperdcp.json"
 MEM_LIMIT = 64 << 20
@@ -233,11 +234,10 @@ def one_trial(pristine: str, state: dict, work: str, rng: random.Random, kind: s
     tracemalloc.start()
     try:
         try:
-            meta = hyperdcp.read_metadata(path)
+            hyperdcp.read_metadata(path)
             info["metadata"] = "valid"
         except hyperdcp.CheckpointError as e:
             info["metadata"] = type(e).__name__
-            meta = None
         for name in data_files:
             fp = os.path.join(path, name)
             try:
@@ -313,12 +313,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     res = campaign(a.trials, a.seed)
-    print(json.dumps({k: v for k, v in res.items() if k != "failures"}, indent=1))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
-    print("PASS" if not res["failures"] else f"FAIL: {len(res['failures'])} trial(s)")
-    return 0 if not res["failures"] else 1
+    return finish(res, a.json, len(res["failures"]))
 
 
 if __name__ == "__main__":
