@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from hyperdcp.core.boxes import Box, BoxIndex, check_exact_cover
+from hyperdcp.core.boxes import Box, BoxIndex, check_exact_cover, grid_tiles
 from hyperdcp.errors import MismatchError
 
 
@@ -31,14 +31,17 @@ def test_grid_partitions_are_exact_covers(split):
     for a, b in itertools.product(*cuts):
         offs.append((a[0], b[0]))
         lens.append((len(a), len(b)))
-    check_exact_cover("t", shape, np.array(offs), np.array(lens))
+    check_exact_cover("t", shape, np.array(offs), np.array(lens))  # raises if not an exact cover
+    assert grid_tiles(np.zeros(len(offs), np.int64), np.array(offs), np.array(lens), np.array([shape])).tolist() == [True]
 
 
 def test_non_grid_exact_cover_is_accepted():
     # an L-shaped tiling that is not a grid
     offs = np.array([[0, 0], [0, 3], [2, 0]])
     lens = np.array([[2, 3], [4, 1], [2, 3]])
-    check_exact_cover("t", (4, 4), offs, lens)
+    check_exact_cover("t", (4, 4), offs, lens)  # raises if not an exact cover
+    # not a grid: the vectorised test leaves it to the general check above
+    assert grid_tiles(np.zeros(3, np.int64), offs, lens, np.array([[4, 4]])).tolist() == [False]
 
 
 def test_overlap_and_gap_compensating_is_refused():
