@@ -5,14 +5,17 @@ Flow (every rank runs the same steps; ranks that need nothing take part too):
 1. **Plans.** Each rank's pieces (tensor index, chunk index, box) are packed as int arrays
    (:mod:`hyperdcp.coordination.wire`, no pickle) and exchanged with one ``all_gather``.
 2. **Schedule.** From all plans every rank computes the same global schedule: per stored chunk the
-   ranks needing parts of it, cut into *units* (contiguous row-slabs of the chunk, so that one unit
-   never exceeds the batch bound), the byte span to read (widened to whole checksum blocks when
-   verifying), and one *reader* among the ranks that need it. Units only one rank needs are read by
-   that rank; the others go, largest first, to the needing rank with the fewest bytes read so far
-   (ties rotate, so it is not always the lowest rank).
-3. **Batches.** Units are grouped into batches bounded per rank by ``read_once_batch_bytes`` (bytes
-   read plus bytes packed to send, and bytes received). A background thread reads and verifies batch
-   k+1 while the main thread moves batch k over the coordinator's process group.
+   ranks needing parts of it, cut into *units* (contiguous row-slabs of the chunk, sized so that each
+   reader has about ``_ROUNDS`` batches of ``_UNITS_PER_ROUND`` units, never above the batch bound),
+   the byte span to read (widened to whole checksum blocks when verifying), and one *reader* among the
+   ranks that need it. Units only one rank needs are read by that rank; the others go, largest first,
+   to the needing rank with the fewest bytes read so far (ties rotate, so it is not always the lowest
+   rank).
+3. **Batches** are rounds: in each, every reader takes its next units in file order (sequential reads)
+   up to its share; bytes packed to send and point-to-point receive buffers stay under
+   ``read_once_batch_bytes`` per rank (pieces copied out of same-host shared memory need no receive
+   buffer). A background thread reads and verifies batch k+1 (its units in parallel threads) while
+   the main thread moves batch k.
 4. **Transfers** are point-to-point (``isend``/``irecv`` on the coordinator's gloo group; no group is
    ever created). A piece that is contiguous in the stored chunk (a replica's whole shard, a row
    slab) is sent straight out of the read buffer to every rank that needs it -- the same buffer fans
@@ -23,12 +26,12 @@ Flow (every rank runs the same steps; ranks that need nothing take part too):
 5. **Same host: shared memory.** Each rank sends its host identity (hostname, boot id and the device of
    ``/dev/shm``; ``HYPERDCP_HOST`` overrides it) and the name of a ``/dev/shm`` segment it created with
    its plan. When a unit's reader and some of its consumers share a host, the reader reads the unit
-   straight into its segment (two slots of at most about one batch, reused batch after batch) and
-   those consumers copy their pieces from it into their destination: one copy, no TCP. Pieces whose
-   reader is on another host still go point to point. The per-batch status exchange is the barrier:
-   after exchange k every reader's slot for batch k is complete, and a reader starts filling batch
-   k+1 (the other slot, last used by batch k-1) only after exchange k, which every rank enters after
-   finishing batch k-1. Segments are unlinked as soon as every consumer has mapped them (after the
+   straight into its segment (three slots of about one batch, reused in turn) and those consumers copy
+   their pieces from it into their destination: one copy, no TCP. Pieces whose reader is on another
+   host still go point to point. The per-batch status exchange is the barrier: after exchange k every
+   reader's slot for batch k is complete; batch k+1 goes into the slot of batch k-2, which every
+   consumer finished copying before it entered exchange k-1, so a reader may fill it as soon as it is
+   past exchange k-1. Segments are unlinked as soon as every consumer has mapped them (after the
    first exchange), else on error and at exit. ``HYPERDCP_READ_ONCE_SHM=0`` turns the path off.
 
 A per-batch status exchange makes a read or checksum error on one rank fail the load on every rank
@@ -155,6 +158,7 @@ def decode_plan(meta: Metadata, raw: bytes, rank: int) -> list[tuple[int, int, B
 _SHM_DIR = "/dev/shm"
 _SHM_RE = re.compile(r"hyperdcp-ro-[0-9a-f]{24}\Z")
 _ALIGN = 64
+_NSLOTS = 3  # batch k+1 is read into the slot of batch k-2, which every consumer has copied out before exchange k-1
 _LIVE: set[str] = set()  # segments this process created and has not unlinked yet
 _LIVE_LOCK = threading.Lock()
 _ATEXIT = False
@@ -246,7 +250,7 @@ def _presize(meta: Metadata, batch_bytes: int) -> int:
     for t in meta.tensors.values():
         if len(t.chunks):
             big = max(big, int((np.asarray(t.chunks.end) - np.asarray(t.chunks.begin)).max()))
-    return 2 * (max(int(batch_bytes), big) + (16 << 20))
+    return _NSLOTS * (max(int(batch_bytes), big) + (16 << 20))
 
 
 @dataclass
@@ -267,7 +271,7 @@ class ShmLayout:
 def shm_layout(sched: Schedule, hosts: list[str], names: list[str], frees: list[int], presize: int) -> ShmLayout:
     """Place, per reader and batch, the units some same-host rank consumes; hosts without room fall back."""
     world = len(hosts)
-    nslots = 2 if len(sched.batches) > 1 else 1
+    nslots = min(_NSLOTS, len(sched.batches)) or 1
     ok = [bool(names[r]) for r in range(world)]
 
     def place() -> tuple[list[int], dict[int, int]]:
@@ -341,8 +345,19 @@ def _contiguous(chunk: Box, box: Box) -> bool:
     return True
 
 
-def build_schedule(meta: Metadata, plans: list[list[tuple[int, int, Box]]], verify: bool, batch_bytes: int) -> Schedule:
-    """The deterministic global schedule: units, readers (balanced by bytes read) and batches."""
+_ROUNDS = 4  # aim for about this many batches per reader, so that reading overlaps moving
+_UNITS_PER_ROUND = 4
+_MIN_UNIT = 2 << 20  # ...but no unit smaller than this (per-unit overheads), unless the batch bound is
+
+
+def build_schedule(meta: Metadata, plans: list[list[tuple[int, int, Box]]], verify: bool, batch_bytes: int,
+                   hosts: Sequence[str] | None = None, shm_ok: Sequence[bool] | None = None) -> Schedule:
+    """The deterministic global schedule: units, readers (balanced by bytes read) and batches.
+
+    ``hosts``/``shm_ok``: per rank, its host identity and whether it shares a segment; pieces a
+    same-host consumer copies out of its reader's shared memory need no receive buffer, so they do
+    not count against the batch bound. Without them every piece is costed as point to point.
+    """
     world = len(plans)
     names = list(meta.tensors)
     B = max(1, int(batch_bytes))
@@ -351,17 +366,25 @@ def build_schedule(meta: Metadata, plans: list[list[tuple[int, int, Box]]], veri
         for e, (ti, ci, box) in enumerate(plan):
             by_chunk.setdefault((ti, ci), []).append((r, e, box))
 
+    def chunk_size(ti: int, ci: int) -> int:
+        t = meta.tensors[names[ti]]
+        return int(t.chunks.end[ci] - t.chunks.begin[ci])
+
+    # unit size: about _ROUNDS units per reader, so that batch k+1 is read while batch k moves
+    total = sum(chunk_size(ti, ci) for ti, ci in by_chunk)
+    T = min(B, max(_MIN_UNIT, -(-total // (world * _ROUNDS))))  # bytes per reader per batch
+    U = min(B, max(_MIN_UNIT, T // _UNITS_PER_ROUND))  # bytes per unit: a batch's reads run in parallel threads
     units: list[Unit] = []
     for (ti, ci) in sorted(by_chunk):
         t = meta.tensors[names[ti]]
         isz = dtypes.itemsize(t.dtype)
         cb = t.chunks.box(ci)
-        size = int(t.chunks.end[ci] - t.chunks.begin[ci])
+        size = chunk_size(ti, ci)
         wants = by_chunk[(ti, ci)]
         # memory of the whole chunk in one batch: bytes read plus bytes packed for others (pieces that
         # are contiguous in the chunk go out of the read buffer itself)
         cost = size + sum(b.numel * isz for _, _, b in wants if not _contiguous(cb, b))
-        n = -(-cost // B)
+        n = -(-cost // U)
         if verify:  # a part smaller than a checksum block would re-read that block
             n = min(n, max(1, size // meta.checksum_block_bytes))
         parts = _split(cb.offsets, cb.lengths, n) if n > 1 else [cb]
@@ -397,29 +420,51 @@ def build_schedule(meta: Metadata, plans: list[list[tuple[int, int, Box]]], veri
         u.reader = min(u.ranks, key=lambda r: (load[r], (r - u.uid) % world))
         load[u.reader] += u.nbytes
 
-    # batches, in a reader-interleaving order (largest first), bounded per rank
-    order = sorted(units, key=lambda u: (-u.nbytes, u.uid))
-    batches: list[list[Unit]] = []
-    cur: list[Unit] = []
-    out_b, in_b = [0] * world, [0] * world
+    def p2p(reader: int, rank: int) -> bool:
+        return hosts is None or shm_ok is None or not shm_ok[reader] or hosts[reader] != hosts[rank]
+
+    # batches in rounds: each reader takes its next units (in file order, so its reads are sequential)
+    # up to about one unit size U; bytes packed to send and point-to-point receive buffers stay under
+    # the batch bound B on every rank
+    queues: dict[int, list[Unit]] = {}
+    for u in sorted(units, key=lambda u: (int(meta.tensors[names[u.tidx]].chunks.file[u.chunk]),
+                                          int(meta.tensors[names[u.tidx]].chunks.begin[u.chunk]) + u.lo, u.uid)):
+        queues.setdefault(u.reader, []).append(u)
+    heads = {r: 0 for r in queues}
     sent = [0] * world
-    for u in order:
-        add_out = {u.reader: u.nbytes + sum(n.nbytes for n in u.needs if n.rank != u.reader and not n.contiguous)}
-        add_in: dict[int, int] = {}
-        for n in u.needs:
-            if n.rank != u.reader:
-                add_in[n.rank] = add_in.get(n.rank, 0) + n.nbytes
-                sent[u.reader] += n.nbytes
-        over = any(out_b[r] + v > B for r, v in add_out.items()) or any(in_b[r] + v > B for r, v in add_in.items())
-        if cur and over:
-            batches.append(cur)
-            cur, out_b, in_b = [], [0] * world, [0] * world
-        cur.append(u)
-        for r, v in add_out.items():
-            out_b[r] += v
-        for r, v in add_in.items():
-            in_b[r] += v
-    if cur:
+    batches: list[list[Unit]] = []
+    while heads:
+        cur: list[Unit] = []
+        out_b: dict[int, int] = {}
+        in_b: dict[int, int] = {}
+        active = sorted(heads)
+        while active:
+            still = []
+            for r in active:
+                u = queues[r][heads[r]]
+                add_out = u.nbytes + sum(n.nbytes for n in u.needs
+                                         if n.rank != r and not n.contiguous and p2p(r, n.rank))
+                add_in: dict[int, int] = {}
+                for n in u.needs:
+                    if n.rank != r and p2p(r, n.rank):
+                        add_in[n.rank] = add_in.get(n.rank, 0) + n.nbytes
+                fits = (r not in out_b or out_b[r] + add_out <= T) and all(
+                    in_b.get(x, 0) + v <= B for x, v in add_in.items())
+                if not fits and cur:
+                    continue  # this reader is done for this batch
+                cur.append(u)
+                out_b[r] = out_b.get(r, 0) + add_out
+                for x, v in add_in.items():
+                    in_b[x] = in_b.get(x, 0) + v
+                for n in u.needs:
+                    if n.rank != r:
+                        sent[r] += n.nbytes
+                heads[r] += 1
+                if heads[r] == len(queues[r]):
+                    del heads[r]
+                else:
+                    still.append(r)
+            active = still
         batches.append(cur)
     return Schedule(units, batches, load, sent)
 
@@ -665,9 +710,8 @@ class _Exchange:
         nb = len(self.sched.batches)
         if nb == 0:
             return
-        # with shared memory, batch k+1 is read only after exchange k: every rank has then finished
-        # batch k-1, whose slot batch k+1 reuses
-        early = self.shm is None
+        # batch k+1 is read while batch k moves; with shared memory it fills the slot of batch k-2,
+        # which every consumer copied out before entering exchange k-1 (this rank is past it)
         with ThreadPoolExecutor(1, thread_name_prefix="hyperdcp-read-once") as ex:
             fut = ex.submit(self.prepare, 0)
             for k in range(nb):
@@ -676,19 +720,17 @@ class _Exchange:
                     state = fut.result()
                 except Exception as e:  # noqa: BLE001 - reported to every rank below
                     exc = e
-                if early and exc is None and k + 1 < nb:
-                    fut = ex.submit(self.prepare, k + 1)  # read the next batch while this one moves
+                if exc is None and k + 1 < nb:
+                    fut = ex.submit(self.prepare, k + 1)
                 statuses = self.coord.all_gather(_status(exc))
                 try:
                     raise_remote(statuses, self.coord, f"read-once load (batch {k + 1} of {nb})", exc)
                 except BaseException:
-                    if early and k + 1 < nb and exc is None:
+                    if k + 1 < nb and exc is None:
                         fut.cancel()
                     raise
                 if k == 0 and self.seg is not None:
                     self.seg.unlink()  # every consumer mapped it before exchange 0
-                if not early and k + 1 < nb:
-                    fut = ex.submit(self.prepare, k + 1)
                 self.transfer(state, k)
                 state = None
 
@@ -718,9 +760,18 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
         plans = [decode_plan(meta, raw, r) for r, raw in enumerate(raws)]
         if len(plans[coord.rank]) != len(pieces):
             raise CoordinationError(f"read-once: rank {coord.rank} received a different plan than it sent")
-        sched = build_schedule(meta, plans, opts.verify_checksums, opts.read_once_batch_bytes)
         peers = [_peer(raw, r) for r, raw in enumerate(raws)]
-        shm = shm_layout(sched, [p[0] for p in peers], [p[1] for p in peers], [p[2] for p in peers], presize)
+        hosts, names, frees = [p[0] for p in peers], [p[1] for p in peers], [p[2] for p in peers]
+        for _ in range(3):  # a host without room for its readers' slots goes point to point; re-plan for that
+            sched = build_schedule(meta, plans, opts.verify_checksums, opts.read_once_batch_bytes, hosts,
+                                   [bool(n) for n in names])
+            shm = shm_layout(sched, hosts, names, frees, presize)
+            if shm.names == names:
+                break
+            names = shm.names
+        else:
+            sched = build_schedule(meta, plans, opts.verify_checksums, opts.read_once_batch_bytes)
+            shm = shm_layout(sched, hosts, [""] * len(names), frees, presize)
         sched.shm = shm
         if not shm.offset:
             shm = None
