@@ -14,6 +14,7 @@ from .options import LoadOptions, SaveOptions, resolve
 from .planning.save_plan import PlanCache
 from .saving import SaveResult, persist, stage
 from .storage.commit import load_metadata
+from .storage.remote import is_remote, load_remote_metadata, local_path, local_save_path
 
 #: plans of recent saves in this process, keyed by the structure of every rank's state dict
 DEFAULT_PLAN_CACHE = PlanCache()
@@ -41,14 +42,15 @@ def save(state_dict: Any, path: str | os.PathLike, *, options: SaveOptions | Non
     checkpoint is committed on every rank. Options: :class:`SaveOptions` fields, as ``options=`` or
     keywords (e.g. ``overwrite=True``).
     """
+    path = local_save_path(path)  # remote URLs: UnsupportedStorageError (save locally and upload)
     opts = resolve(SaveOptions, options, overrides)
     coord = coordinator or coordinator_for(opts.process_group, opts.timeout)
-    coord.arrive(f"save to {os.fspath(path)!r}")
+    coord.arrive(f"save to {path!r}")
     try:
         staged = stage(state_dict, coord)
     except Exception as e:  # noqa: BLE001 - reported on every rank by persist
         staged = e
-    return persist(coord, staged, os.fspath(path), opts, DEFAULT_PLAN_CACHE)
+    return persist(coord, staged, path, opts, DEFAULT_PLAN_CACHE)
 
 
 def load(state_dict: Any, path: str | os.PathLike, *, options: LoadOptions | None = None,
@@ -66,5 +68,5 @@ def load(state_dict: Any, path: str | os.PathLike, *, options: LoadOptions | Non
 
 
 def read_metadata(path: str | os.PathLike) -> Metadata:
-    """The validated metadata of a checkpoint; needs no process group."""
-    return load_metadata(os.fspath(path))
+    """The validated metadata of a checkpoint (a path or an fsspec URL); needs no process group."""
+    return load_remote_metadata(os.fspath(path)) if is_remote(path) else load_metadata(local_path(path))

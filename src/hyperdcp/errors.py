@@ -46,6 +46,10 @@ class StorageError(CheckpointError):
     """The storage layer failed (disk full, permission denied, read-only target...)."""
 
 
+class UnsupportedStorageError(StorageError):
+    """The storage location cannot be used for this operation (e.g. saving to a remote URL)."""
+
+
 class CoordinationError(CheckpointError):
     """Ranks could not agree: a rank failed, died or never arrived within the timeout."""
 
@@ -69,6 +73,7 @@ __all__ = [
     "StateDictError",
     "MismatchError",
     "StorageError",
+    "UnsupportedStorageError",
     "CoordinationError",
     "RemoteRankError",
 ]

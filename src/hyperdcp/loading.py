@@ -29,6 +29,7 @@ from .planning.load_plan import ChunkRead, Piece, TensorIndex, check_compatible,
 from .storage.checksum import verify_blocks
 from .storage.commit import read_metadata_bytes
 from .storage.reader import DataFiles
+from .storage.remote import is_remote, local_path, open_files, read_remote_metadata_bytes, url_join
 from .storage.threads import run_all
 
 
@@ -45,11 +46,19 @@ class LoadResult:
 
 
 def fetch_metadata(coord: Coordinator, path: str) -> Metadata:
-    """Rank 0 reads the commit record, every rank validates it; errors raise on every rank."""
+    """Rank 0 reads the commit record, every rank validates it; errors raise on every rank.
+
+    A remote URL (fsspec) must hold a committed hyperdcp checkpoint: HuggingFace sources and unmerged
+    rank files of no-collectives async saves are detected on local paths only.
+    """
     from . import hf
 
     from .async_save.rank_files import has_rank_files
 
+    if is_remote(path):
+        raw = broadcast_checked(coord, f"reading the metadata of {path!r}", lambda: read_remote_metadata_bytes(path), 0)
+        return Metadata.from_json(raw, where=url_join(path, METADATA_FILE))
+    path = local_path(path)  # file:// URLs
     if not has_rank_files(path) and hf.is_hf_source(path):  # no hyperdcp.json but safetensors files: HuggingFace
         return hf.fetch_metadata(coord, path)
     raw = broadcast_checked(coord, f"reading the metadata of {path!r}", lambda: read_metadata_bytes(path), 0)
@@ -158,7 +167,7 @@ def plan_targets(leaves: list[LoadLeaf], meta: Metadata, coord: Coordinator, opt
 def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> LoadResult:
     t0 = time.perf_counter()
     meta = fetch_metadata(coord, path)
-    files = DataFiles(getattr(meta, "root", "") or path, meta)  # HF sources: the directory of the files
+    files = open_files(getattr(meta, "root", "") or path, meta)  # HF sources: the directory of the files; URLs: RemoteFiles
     if opts.key_map is not None:
         from .hf import rename_keys
 

@@ -340,6 +340,9 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, options: SaveOptions
     if coordination not in MODES:
         raise ValueError(f"coordination must be one of {MODES}, got {coordination!r}")
     from ..api import coordinator_for
+    from ..storage.remote import local_save_path
+
+    path = local_save_path(path)  # remote URLs: UnsupportedStorageError (save locally and upload)
 
     opts = resolve(SaveOptions, options, overrides)
     coord = coordinator or coordinator_for(opts.process_group, opts.timeout)
@@ -358,4 +361,4 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, options: SaveOptions
                 mpu.Finalize(None, _at_exit, exitpriority=100)
                 _ATEXIT = True
     sess.coord = coord
-    return sess.save(state_dict, os.fspath(path), opts, wait, os.fspath(exchange_dir) if exchange_dir else None)
+    return sess.save(state_dict, path, opts, wait, os.fspath(exchange_dir) if exchange_dir else None)

@@ -12,7 +12,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -98,20 +98,23 @@ def write_data_file(directory: str, name: str, chunks: Sequence[ChunkToWrite], b
     return WrittenFile(name, total, begin, end, sums)
 
 
-def read_header(fd: int, file_size: int, where: str, file_metadata: dict | None = None) -> tuple[dict, int]:
+def read_header(fd: int | Callable[[int, int], bytes], file_size: int, where: str,
+                file_metadata: dict | None = None) -> tuple[dict, int]:
     """Parse and validate a safetensors header; return (entries, data start). Never trusts sizes blindly.
 
+    ``fd`` is a file descriptor, or a ``pread(nbytes, offset) -> bytes`` callable (remote files).
     ``file_metadata``, when given, receives the header's ``__metadata__`` object.
     """
+    pread = fd if callable(fd) else (lambda n, off: os.pread(fd, n, off))
     if file_size < 8:
         raise FormatError(f"{where}: too short to be a safetensors file ({file_size} bytes)")
-    prefix = os.pread(fd, 8, 0)
+    prefix = pread(8, 0)
     if len(prefix) != 8:
         raise CorruptionError(f"{where}: file truncated inside its header length")
     (n,) = struct.unpack("<Q", prefix)
     if n > MAX_HEADER_BYTES or 8 + n > file_size:
         raise FormatError(f"{where}: declared header size {n} is larger than the file or the {MAX_HEADER_BYTES}-byte limit")
-    raw = os.pread(fd, n, 8)
+    raw = pread(n, 8)
     if len(raw) != n:
         raise CorruptionError(f"{where}: file truncated inside its header")
     try:

@@ -1,0 +1,325 @@
+"""Reading checkpoints from remote storage through fsspec (read side only).
+
+A checkpoint root may be a URL (``https://host/ckpt/step-100``, ``s3://bucket/ckpt/step-100``, any
+protocol fsspec knows). The commit record and the data files are joined to the root with ``/``; the
+metadata's file names are validated plain names, so every read stays inside the checkpoint.
+
+* :func:`is_remote`: a URL whose protocol is not ``file``/``local`` (those, like plain paths, are
+  read from the local file system with :class:`~hyperdcp.storage.reader.DataFiles`);
+* :func:`read_remote_metadata_bytes` / :func:`load_remote_metadata`: the commit record from a URL;
+* :class:`RemoteFiles`: ranged, verified reads of the data files with the interface of ``DataFiles``;
+* :func:`open_files`: ``DataFiles`` or ``RemoteFiles`` for a root;
+* :func:`local_save_path`: saves go to local paths only (remote saves raise
+  :class:`~hyperdcp.errors.UnsupportedStorageError`).
+
+Every data read is one or more ranged requests (``fs.cat_file(path, start, end)``), at most
+``max_request_bytes`` each, so no read-ahead cache fetches bytes nobody asked for. Credentials and
+other storage options come from fsspec's usual configuration (environment variables, config files).
+Remote roots must be committed hyperdcp checkpoints: HuggingFace directories and unmerged
+no-collectives async saves are recognised on local paths only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from typing import Any
+
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptionError,
+    FormatError,
+    IncompleteCheckpointError,
+    StorageError,
+    UnsupportedStorageError,
+)
+from ..format.metadata import METADATA_FILE, Metadata
+from .reader import DataFiles
+
+#: protocols read from the local file system (plain paths have none)
+LOCAL_PROTOCOLS = ("file", "local")
+#: a commit record larger than this is refused before it is downloaded (a wrong URL, not a checkpoint)
+MAX_METADATA_BYTES = 2 << 30
+#: the largest single ranged request; bounds the transient memory of one read to this much per thread
+MAX_REQUEST_BYTES = 16 << 20
+
+_PROTOCOL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+)://")
+
+
+def _protocol(path: str) -> str | None:
+    m = _PROTOCOL.match(path)
+    return m.group(1).lower() if m else None
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    """True for a URL read through fsspec: a protocol other than ``file``/``local``, or a chained URL."""
+    if not isinstance(path, str):
+        path = os.fspath(path)
+        if not isinstance(path, str):
+            return False
+    if "::" in path and _PROTOCOL.match(path.split("::", 1)[1]):  # e.g. "simplecache::s3://bucket/ckpt"
+        return True
+    proto = _protocol(path)
+    return proto is not None and proto not in LOCAL_PROTOCOLS
+
+
+def local_path(path: str | os.PathLike) -> str:
+    """The local file-system path of a plain path or a ``file://``/``local://`` URL (unchanged otherwise)."""
+    path = os.fspath(path)
+    proto = _protocol(path)
+    if proto in LOCAL_PROTOCOLS:
+        rest = path.split("://", 1)[1]
+        if rest.startswith("localhost/"):
+            rest = rest[len("localhost"):]
+        return rest or os.sep
+    return path
+
+
+def url_join(root: str, name: str) -> str:
+    """``root/name`` for a URL root (``name`` is a validated plain file name)."""
+    return f"{root.rstrip('/')}/{name}"
+
+
+def local_save_path(path: str | os.PathLike) -> str:
+    """The local directory a save writes to; a remote URL raises :class:`UnsupportedStorageError`."""
+    path = os.fspath(path)
+    if is_remote(path):
+        raise UnsupportedStorageError(
+            f"cannot save to {path!r}: saving to remote storage is not supported yet; save to a local (or mounted) "
+            "directory and upload it (e.g. with your storage's CLI or fsspec's put(..., recursive=True)); "
+            "hyperdcp.load reads it back from the URL"
+        )
+    return local_path(path)
+
+
+def _storage_error(action: str, url: str, e: BaseException) -> StorageError:
+    return StorageError(
+        f"{action} {url} failed ({type(e).__name__}: {e}); check the URL, the network and the credentials "
+        "(fsspec configuration), then retry"
+    )
+
+
+def _missing(e: FileNotFoundError) -> bool:
+    """Whether fsspec's FileNotFoundError means "no such file" rather than a failure it wraps as one.
+
+    fsspec's HTTP file system turns every failure of a size query (connection refused, 403...) into a
+    FileNotFoundError raised from the original error; only a 404/410 (or no cause) is a missing file.
+    """
+    cause = e.__cause__
+    return cause is None or isinstance(cause, FileNotFoundError) or getattr(cause, "status", None) in (404, 410)
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """fsspec's file system for ``url`` and the path on it; clear errors for a missing package or protocol."""
+    try:
+        import fsspec.core
+    except ImportError:
+        raise StorageError(f"cannot read {url!r}: reading from URLs needs fsspec; pip install fsspec") from None
+    try:
+        fs, p = fsspec.core.url_to_fs(url)
+    except ImportError as e:
+        raise StorageError(
+            f"cannot read {url!r}: fsspec needs another package for this protocol ({e}); install it (aiohttp for "
+            "http(s)://, s3fs for s3://, gcsfs for gs://, adlfs for az://)"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - unknown protocol, malformed URL, credentials...
+        raise _storage_error("opening", url, e) from e
+    return fs, p
+
+
+def read_remote_metadata_bytes(url: str) -> bytes:
+    """The raw commit record of the checkpoint at ``url``; clear errors when there is none."""
+    url = os.fspath(url)
+    fs, root = filesystem(url)
+    meta_url, meta_path = url_join(url, METADATA_FILE), url_join(root, METADATA_FILE)
+    try:
+        info = fs.info(meta_path)
+    except FileNotFoundError as e:
+        if not _missing(e):
+            raise _storage_error("reading", meta_url, e.__cause__ or e) from e
+        try:
+            root_exists = bool(fs.exists(root))
+        except Exception:  # noqa: BLE001 - best effort: many servers cannot tell
+            root_exists = False
+        if root_exists:
+            raise IncompleteCheckpointError(
+                f"incomplete checkpoint at {url!r}: it has no {METADATA_FILE} (the save did not finish or this is not "
+                "a hyperdcp checkpoint; no-collectives async saves must be finalized with "
+                "hyperdcp.async_save.finalize, and HuggingFace directories loaded from a local path); load an "
+                "earlier checkpoint"
+            ) from None
+        raise CheckpointNotFoundError(f"no checkpoint at {url!r}: {meta_url} does not exist; check the URL and step") from None
+    except Exception as e:  # noqa: BLE001
+        raise _storage_error("reading", meta_url, e) from e
+    if info.get("type", "file") != "file":
+        raise FormatError(f"{meta_url} is not a regular file; the checkpoint is damaged")
+    size = info.get("size")
+    if size is not None and size > MAX_METADATA_BYTES:
+        raise FormatError(
+            f"{meta_url} is {size} bytes, more than the {MAX_METADATA_BYTES}-byte limit of a commit record; it is not "
+            "hyperdcp metadata (check the URL)"
+        )
+    try:
+        raw = fs.cat_file(meta_path)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{meta_url} disappeared while it was read; retry, or load another checkpoint") from None
+    except Exception as e:  # noqa: BLE001
+        raise _storage_error("reading", meta_url, e) from e
+    if len(raw) > MAX_METADATA_BYTES:
+        raise FormatError(f"{meta_url} is larger than the {MAX_METADATA_BYTES}-byte limit of a commit record; check the URL")
+    if size is not None and len(raw) != size:
+        raise CorruptionError(
+            f"{meta_url}: received {len(raw)} bytes but the storage reports {size}; the transfer was cut short or the "
+            "file changed; retry"
+        )
+    return bytes(raw)
+
+
+def load_remote_metadata(url: str) -> Metadata:
+    """The validated metadata of the checkpoint at ``url``."""
+    return Metadata.from_json(read_remote_metadata_bytes(url), where=url_join(os.fspath(url), METADATA_FILE))
+
+
+class RemoteFiles(DataFiles):
+    """Ranged, verified reads of a checkpoint's data files through fsspec; the interface of :class:`DataFiles`.
+
+    Each file is checked once, before its first read: its size must equal the metadata's and its
+    safetensors header must describe exactly the chunks the metadata puts in it. ``bytes_read`` and
+    ``reads`` count the data reads (bytes requested from storage, one per :meth:`read_into`), as
+    ``DataFiles`` does; the header checks are counted apart in ``header_bytes_read``, and ``requests``
+    counts every ranged request. Safe to use from several threads.
+    """
+
+    def __init__(self, root: str, metadata: Metadata, max_request_bytes: int = MAX_REQUEST_BYTES):
+        super().__init__(root, metadata)
+        self.url = self.root.rstrip("/")
+        self._fs: Any = None  # opened on first use, so a failure happens inside the load's error exchange
+        self._fs_root = ""
+        self.max_request_bytes = max(1, int(max_request_bytes))
+        self._checked: set[int] = set()
+        self._file_locks: dict[int, threading.Lock] = {}
+        self.header_bytes_read = 0
+        self.requests = 0
+
+    @property
+    def fs(self) -> Any:
+        """fsspec's file system for the root (created on first use)."""
+        if self._fs is None:
+            with self._lock:
+                if self._fs is None:
+                    fs, fs_root = filesystem(self.root)
+                    self._fs_root = fs_root.rstrip("/")
+                    self._fs = fs
+        return self._fs
+
+    def path(self, fidx: int) -> str:
+        """The URL of data file ``fidx`` (for messages)."""
+        return url_join(self.url, self.meta.files[fidx].name)
+
+    def _fs_path(self, fidx: int) -> str:
+        _ = self.fs  # creates the file system (and _fs_root) on first use
+        return url_join(self._fs_root, self.meta.files[fidx].name)
+
+    def fd(self, fidx: int) -> int:
+        """Check data file ``fidx`` (once) and return a handle for it (``fidx`` itself)."""
+        if fidx in self._checked:
+            return fidx
+        with self._lock:
+            lock = self._file_locks.setdefault(fidx, threading.Lock())
+        with lock:  # one check per file; different files are checked concurrently
+            if fidx not in self._checked:
+                self._check_file(fidx)
+                self._checked.add(fidx)
+        return fidx
+
+    def _check_file(self, fidx: int) -> None:
+        url = self.path(fidx)
+        try:
+            info = self.fs.info(self._fs_path(fidx))
+        except FileNotFoundError as e:
+            if not _missing(e):
+                raise _storage_error("opening data file", url, e.__cause__ or e) from e
+            raise CorruptionError(f"data file {url} is missing; the checkpoint is damaged; restore it or load another checkpoint") from None
+        except Exception as e:  # noqa: BLE001
+            raise _storage_error("opening data file", url, e) from e
+        if info.get("islink"):
+            raise FormatError(f"data file {url} is a symbolic link; hyperdcp never follows links inside a checkpoint")
+        if info.get("type", "file") != "file":
+            raise FormatError(f"{url} is not a regular file")
+        size, want = info.get("size"), self.meta.files[fidx].nbytes
+        if size is None:
+            raise StorageError(
+                f"cannot check data file {url}: the storage does not report its size, which hyperdcp needs to detect "
+                "truncated files; serve it with a Content-Length (or from storage that reports sizes)"
+            )
+        if size != want:
+            raise CorruptionError(f"data file {url} has {size} bytes but the metadata records {want} (truncated or replaced)")
+        if getattr(self.meta, "has_checksums", True):
+            self._check_header(fidx, lambda n, off: self._fetch(fidx, off, n, header=True), url)  # type: ignore[arg-type]
+
+    def _fetch(self, fidx: int, offset: int, n: int, header: bool = False) -> bytes:
+        """Bytes [offset, offset + n) of data file ``fidx`` in one ranged request (fewer at end of file)."""
+        if n <= 0:
+            return b""
+        url = self.path(fidx)
+        try:
+            data = self.fs.cat_file(self._fs_path(fidx), start=offset, end=offset + n)
+        except FileNotFoundError:
+            raise CorruptionError(f"data file {url} is missing; the checkpoint is damaged; restore it or load another checkpoint") from None
+        except Exception as e:  # noqa: BLE001
+            raise _storage_error(f"reading bytes {offset}..{offset + n} of", url, e) from e
+        with self._lock:
+            self.requests += 1
+            if header:
+                self.header_bytes_read += len(data)
+            else:
+                self.bytes_read += len(data)
+        if len(data) > n:
+            raise StorageError(
+                f"reading bytes {offset}..{offset + n} of {url}: the storage sent {len(data)} bytes instead of {n}; it "
+                "ignores ranged requests (HTTP Range); serve the checkpoint from storage that honours them"
+            )
+        return data
+
+    def read_into(self, fidx: int, offset: int, out, what: str = "") -> None:
+        """Fill ``out`` (a writable bytes-like) from ``offset`` with ranged requests; a short read is corruption."""
+        mv = memoryview(out).cast("B")
+        self.fd(fidx)
+        done = 0
+        while done < len(mv):
+            n = min(self.max_request_bytes, len(mv) - done)
+            data = self._fetch(fidx, offset + done, n)
+            if len(data) < n:
+                raise CorruptionError(
+                    f"{self.path(fidx)}: unexpected end of file while reading {what} (got {done + len(data)} of "
+                    f"{len(mv)} bytes from offset {offset}); the file is truncated; restore it or load another checkpoint"
+                )
+            mv[done : done + n] = data
+            done += n
+        with self._lock:
+            self.reads += 1
+
+    def close(self) -> None:
+        """Forget the checks (fsspec's file systems are shared instances and stay open)."""
+        with self._lock:
+            self._checked.clear()
+
+
+def open_files(root: str, metadata: Metadata) -> DataFiles:
+    """The reader for the data files under ``root``: :class:`RemoteFiles` for URLs, else :class:`DataFiles`."""
+    root = os.fspath(root)
+    return RemoteFiles(root, metadata) if is_remote(root) else DataFiles(local_path(root), metadata)
+
+
+__all__ = [
+    "is_remote",
+    "local_path",
+    "url_join",
+    "local_save_path",
+    "filesystem",
+    "read_remote_metadata_bytes",
+    "load_remote_metadata",
+    "RemoteFiles",
+    "open_files",
+]
