@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import hashlib
 import mmap
 import os
 import re
@@ -58,6 +59,7 @@ from .coordination import wire
 from .coordination.base import Coordinator, _status, raise_remote
 from .core import dtypes
 from .core.boxes import Box
+from .core.shards import ShardedTensor
 from .errors import CheckpointError, CoordinationError, MismatchError
 from .format.metadata import Metadata
 from .options import LoadOptions
@@ -109,6 +111,7 @@ class Schedule:
     read_bytes: list[int]  # planned bytes read per rank
     sent_bytes: list[int] = field(default_factory=list)
     shm: Any = None  # the ShmLayout of the load, once hosts are known
+    derived: bool = False  # plans derived from grid layouts (only digests exchanged)
 
 
 # -- plans ------------------------------------------------------------------------------------
@@ -151,6 +154,70 @@ def decode_plan(meta: Metadata, raw: bytes, rank: int) -> list[tuple[int, int, B
         return out
     except (ValueError, KeyError, IndexError, TypeError) as e:
         raise MismatchError(f"read-once: the load plan of rank {rank} is malformed ({e}); do all ranks run the same hyperdcp version?") from None
+
+
+def _own_plan(meta: Metadata, pieces: Sequence[Piece]) -> list[tuple[int, int, Box]]:
+    index = {name: i for i, name in enumerate(meta.tensors)}
+    return [(index[p.fqn], p.chunk, p.box) for p in pieces]
+
+
+def layout_digest(meta: Metadata, tensors: Sequence[ShardedTensor] | None, pieces: Sequence[Piece], me: int,
+                  world: int) -> str:
+    """A digest of this rank's tensors and their grid layouts, or "" when other ranks cannot derive its plan.
+
+    Derivable means: every tensor has a :class:`~hyperdcp.core.layout.GridLayout` and the plan derived
+    from the layouts for this rank is exactly the plan it would send -- so a rule that differs from
+    the framework's (another torch version, say) falls back to exchanging plans, never loads wrong bytes.
+    """
+    if tensors is None or any(t.layout is None or not t.layout.valid_for(len(t.shape), world) for t in tensors):
+        return ""
+    if derive_plans(meta, tensors, world, only=me)[me] != _own_plan(meta, pieces):
+        return ""
+    names = {name: i for i, name in enumerate(meta.tensors)}
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.asarray([world, len(tensors)], dtype=np.int64).tobytes())
+    for t in tensors:
+        h.update(np.asarray([names[t.fqn]], dtype=np.int64).tobytes())
+        h.update(t.layout.key(tuple(t.shape)))
+    return h.hexdigest()
+
+
+def derive_plans(meta: Metadata, tensors: Sequence[ShardedTensor], world: int,
+                 only: int | None = None) -> list[list[tuple[int, int, Box]]]:
+    """Every rank's plan (or just rank ``only``'s), computed from the tensors' grid layouts.
+
+    The same pieces, in the same order, as each rank's own :func:`~hyperdcp.planning.load_plan.pieces_for`
+    over its tensors: boxes shared by replicas are intersected with the stored chunks once.
+    """
+    from .planning.load_plan import TensorIndex
+
+    names = {name: i for i, name in enumerate(meta.tensors)}
+    tindex = TensorIndex(meta)
+    plans: list[list[tuple[int, int, Box]]] = [[] for _ in range(world)]
+    for st in tensors:
+        ti = names[st.fqn]
+        stored = meta.tensors[st.fqn]
+        ranks, offs, lens = st.layout.boxes(tuple(stored.shape))
+        if only is not None:
+            keep = ranks == only
+            ranks, offs, lens = ranks[keep], offs[keep], lens[keep]
+        if not len(ranks):
+            continue
+        uniq, inv = np.unique(np.concatenate([offs, lens], axis=1), axis=0, return_inverse=True)
+        nd = offs.shape[1]
+        per_box: list[list[tuple[int, int, Box]]] = []
+        for row in uniq.tolist():
+            box = Box(tuple(row[:nd]), tuple(row[nd:]))
+            out = []
+            if box.numel > 0:
+                for c in tindex.get(st.fqn).query(box).tolist():
+                    inter = box.intersect(stored.chunks.box(c))
+                    if inter is not None:
+                        out.append((ti, c, inter))
+            per_box.append(out)
+        for r, b in zip(ranks.tolist(), inv.reshape(-1).tolist()):
+            plans[r].extend(per_box[b])
+    return plans
 
 
 # -- same-host shared memory ------------------------------------------------------------------
@@ -302,6 +369,12 @@ def shm_layout(sched: Schedule, hosts: list[str], names: list[str], frees: list[
     if changed:
         slot, offset = place()
     return ShmLayout(list(hosts), [n if ok[r] else "" for r, n in enumerate(names)], slot, nslots, offset)
+
+
+def _layout_of(raw: bytes) -> str:
+    head, _ = wire.unpack(raw)
+    d = head.get("layout", "")
+    return d if isinstance(d, str) else ""
 
 
 def _peer(raw: bytes, rank: int) -> tuple[str, str, int]:
@@ -735,10 +808,13 @@ class _Exchange:
                 state = None
 
 
-def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coordinator, opts: LoadOptions) -> Schedule | None:
+def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coordinator, opts: LoadOptions,
+              tensors: Sequence[ShardedTensor] | None = None) -> Schedule | None:
     """Fill ``pieces`` reading every needed stored byte once across the ranks of ``coord``.
 
-    Every rank must call it (with an empty list when it needs nothing). Coordinators without a
+    Every rank must call it (with an empty list when it needs nothing). ``tensors``: the destination
+    tensors ``pieces`` were planned from, in that order; when every rank's have grid layouts that
+    agree, plans are derived locally and only a digest is exchanged. Coordinators without a
     torch.distributed process group fall back to each rank reading what it needs.
     """
     if coord.world_size <= 1 or getattr(coord, "group", None) is None:
@@ -756,8 +832,20 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
             seg = None
     ex = None
     try:
-        raws = coord.all_gather(encode_plan(meta, pieces, extra))
-        plans = [decode_plan(meta, raw, r) for r, raw in enumerate(raws)]
+        try:
+            digest = layout_digest(meta, tensors, pieces, coord.rank, coord.world_size)
+        except (KeyError, ValueError, IndexError):
+            digest = ""
+        # one exchange of fixed-size records when the layouts agree everywhere, else of the plans
+        raws = coord.all_gather(encode_plan(meta, [] if digest else pieces, {**extra, "layout": digest}))
+        digests = {_layout_of(raw) for raw in raws}
+        derived = bool(digest) and digests == {digest}
+        if derived:
+            plans = derive_plans(meta, tensors, coord.world_size)
+        else:
+            if digests != {""}:  # some ranks sent only a digest, so the layouts differ: exchange the plans
+                raws = coord.all_gather(encode_plan(meta, pieces, extra))
+            plans = [decode_plan(meta, raw, r) for r, raw in enumerate(raws)]
         if len(plans[coord.rank]) != len(pieces):
             raise CoordinationError(f"read-once: rank {coord.rank} received a different plan than it sent")
         peers = [_peer(raw, r) for r, raw in enumerate(raws)]
@@ -773,6 +861,7 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
             sched = build_schedule(meta, plans, opts.verify_checksums, opts.read_once_batch_bytes)
             shm = shm_layout(sched, hosts, [""] * len(names), frees, presize)
         sched.shm = shm
+        sched.derived = derived
         if not shm.offset:
             shm = None
         if seg is not None and (shm is None or not shm.slot[coord.rank]):

@@ -195,7 +195,7 @@ def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> L
             if opts.read_once and coord.world_size > 1:
                 from .exchange import read_once
 
-                read_once(files, meta, targets.pieces, coord, opts)
+                read_once(files, meta, targets.pieces, coord, opts, list(targets.tensors.values()))
             else:
                 reads = group_reads(meta, targets.pieces, opts.verify_checksums)
                 execute_local_reads(files, meta, reads, opts)

@@ -8,6 +8,7 @@ import numpy as np
 
 from ..core import dtypes
 from ..core.boxes import full_box
+from ..core.layout import replicated_layout
 from ..core.shards import LocalShard, ShardedTensor, flat_bytes
 from ..errors import StateDictError
 
@@ -27,10 +28,12 @@ def to_sharded(fqn: str, arr: np.ndarray, ctx, for_load: bool) -> ShardedTensor:
         data = flat_bytes(np.ascontiguousarray(arr))
         return ShardedTensor(fqn, code, box.lengths, [LocalShard(box, data, replicas)])
     if arr.flags.c_contiguous and arr.flags.writeable:
-        return ShardedTensor(fqn, code, box.lengths, [LocalShard(box, flat_bytes(arr), replicas)])
+        return ShardedTensor(fqn, code, box.lengths, [LocalShard(box, flat_bytes(arr), replicas)],
+                             layout=replicated_layout(ctx.world_size))
     if not arr.flags.writeable:
         raise StateDictError(f"cannot load into {fqn!r}: the numpy array is read-only; pass a writable array")
     tmp = np.empty(arr.shape, dtype=arr.dtype)
-    st = ShardedTensor(fqn, code, box.lengths, [LocalShard(box, flat_bytes(tmp), replicas)])
+    st = ShardedTensor(fqn, code, box.lengths, [LocalShard(box, flat_bytes(tmp), replicas)],
+                       layout=replicated_layout(ctx.world_size))
     st.finish = lambda: np.copyto(arr, tmp)
     return st

@@ -8,12 +8,14 @@ every sharded mesh dimension.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..core.boxes import Box, full_box
+from ..core.layout import REPLICATE, GridLayout, replicated_layout
 from ..core.shards import LocalShard, ShardedTensor
 from ..errors import StateDictError
 
@@ -101,6 +103,40 @@ def replica_ranks(dt: "DTensor", ctx) -> tuple[int, ...] | None:
         return None
 
 
+def grid_layout(value: torch.Tensor, ctx) -> GridLayout | None:
+    """Every rank's view of where ``value`` lives (None when some mesh rank is outside ``ctx``'s group)."""
+    if not isinstance(value, DTensor):
+        return replicated_layout(ctx.world_size)
+    mesh = value.device_mesh
+    cache = _layout_cache(ctx)
+    hit = cache.get(mesh)
+    if hit is None:
+        grid = None
+        glob = np.asarray(mesh.mesh.cpu().numpy(), dtype=np.int64)
+        to_group = {g: r for r, g in enumerate(ctx.global_ranks)}
+        if all(int(g) in to_group for g in glob.reshape(-1).tolist()):
+            grid = np.vectorize(lambda g: to_group[int(g)], otypes=[np.int64])(glob) if glob.size else glob
+        hit = cache[mesh] = (grid, GridLayout.digest_mesh(grid) if grid is not None else b"")
+    grid, key = hit
+    if grid is None:
+        return None
+    nd = value.dim()
+    placements = tuple(REPLICATE if isinstance(p, Replicate) else p.dim % max(nd, 1) for p in value.placements)
+    return GridLayout(grid, placements, key)
+
+
+def _layout_cache(ctx) -> "weakref.WeakKeyDictionary[Any, Any]":
+    # per coordinator (its group fixes the rank numbering); meshes are shared by many tensors
+    cache = getattr(ctx, "_hyperdcp_layouts", None)
+    if cache is None:
+        cache = weakref.WeakKeyDictionary()
+        try:
+            ctx._hyperdcp_layouts = cache
+        except AttributeError:  # a coordinator with __slots__: no caching
+            pass
+    return cache
+
+
 def to_sharded(fqn: str, value: torch.Tensor, ctx, for_load: bool) -> ShardedTensor:
     if isinstance(value, DTensor):
         box = dtensor_box(fqn, value)
@@ -116,15 +152,18 @@ def to_sharded(fqn: str, value: torch.Tensor, ctx, for_load: bool) -> ShardedTen
     if not for_load:
         data = host_bytes(local) if box.numel else np.zeros(0, np.uint8)
         return ShardedTensor(fqn, code, shape, [LocalShard(box, data, reps)])
+    layout = grid_layout(value, ctx)
     if box.numel == 0:
-        return ShardedTensor(fqn, code, shape, [])
+        return ShardedTensor(fqn, code, shape, [], layout=layout)
     local = local.detach()
     if local.device.type == "cpu" and local.is_contiguous():
         flat = local.reshape(1) if local.dim() == 0 else local
-        return ShardedTensor(fqn, code, shape, [LocalShard(box, flat.view(torch.uint8).reshape(-1).numpy(), reps)])
+        return ShardedTensor(fqn, code, shape, [LocalShard(box, flat.view(torch.uint8).reshape(-1).numpy(), reps)],
+                             layout=layout)
     pin = local.device.type == "cuda"
     host = torch.empty(box.lengths, dtype=local.dtype, pin_memory=pin)
-    st = ShardedTensor(fqn, code, shape, [LocalShard(box, host_bytes(host) if host.dim() else host.reshape(1).view(torch.uint8).numpy(), reps)])
+    st = ShardedTensor(fqn, code, shape, [LocalShard(box, host_bytes(host) if host.dim() else host.reshape(1).view(torch.uint8).numpy(), reps)],
+                       layout=layout)
 
     def finish(dst=local, src=host):
         dst.copy_(src, non_blocking=False)

@@ -14,6 +14,7 @@ import numpy as np
 
 from .boxes import Box, Shape
 from .dtypes import itemsize
+from .layout import GridLayout
 
 
 @dataclass
@@ -41,6 +42,8 @@ class ShardedTensor:
     shards: list[LocalShard] = field(default_factory=list)
     #: called after loading has filled every shard's buffer (e.g. host -> device copy)
     finish: Callable[[], None] | None = None
+    #: set by adapters that know every rank's box (DTensor mesh + placements, replicated tensors)
+    layout: "GridLayout | None" = None
 
     @property
     def itemsize(self) -> int:
