@@ -434,10 +434,11 @@ def build_schedule(meta: Metadata, plans: list[list[tuple[int, int, Box]]], veri
     world = len(plans)
     names = list(meta.tensors)
     B = max(1, int(batch_bytes))
-    by_chunk: dict[tuple[int, int], list[tuple[int, int, Box]]] = {}
+    # per stored chunk, the distinct boxes wanted from it and who wants each (replicas share a box)
+    by_chunk: dict[tuple[int, int], dict[Box, list[tuple[int, int]]]] = {}
     for r, plan in enumerate(plans):
         for e, (ti, ci, box) in enumerate(plan):
-            by_chunk.setdefault((ti, ci), []).append((r, e, box))
+            by_chunk.setdefault((ti, ci), {}).setdefault(box, []).append((r, e))
 
     def chunk_size(ti: int, ci: int) -> int:
         t = meta.tensors[names[ti]]
@@ -456,24 +457,26 @@ def build_schedule(meta: Metadata, plans: list[list[tuple[int, int, Box]]], veri
         wants = by_chunk[(ti, ci)]
         # memory of the whole chunk in one batch: bytes read plus bytes packed for others (pieces that
         # are contiguous in the chunk go out of the read buffer itself)
-        cost = size + sum(b.numel * isz for _, _, b in wants if not _contiguous(cb, b))
+        cost = size + sum(b.numel * isz * len(who) for b, who in wants.items() if not _contiguous(cb, b))
         n = -(-cost // U)
         if verify:  # a part smaller than a checksum block would re-read that block
             n = min(n, max(1, size // meta.checksum_block_bytes))
         parts = _split(cb.offsets, cb.lengths, n) if n > 1 else [cb]
         for part in parts:
             needs = []
-            for r, e, box in wants:
+            lo, hi = size, 0
+            for box, who in wants.items():
                 sub = box.intersect(part) if len(parts) > 1 else box
                 if sub is None:
                     continue
                 s, stop = byte_span(cb, sub, isz)
                 nb = sub.numel * isz
-                needs.append(Need(r, e, sub, nb, stop - s == nb))
+                lo, hi = min(lo, s), max(hi, stop)
+                contiguous = stop - s == nb
+                needs.extend(Need(r, e, sub, nb, contiguous) for r, e in who)
             if not needs:
                 continue
-            spans = [byte_span(cb, n.box, isz) for n in needs]
-            lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+            needs.sort(key=lambda n: (n.rank, n.entry))
             if verify:
                 lo, hi = block_range(lo, hi, meta.checksum_block_bytes, size)
             units.append(Unit(len(units), ti, ci, lo, hi, needs))
@@ -783,27 +786,39 @@ class _Exchange:
         nb = len(self.sched.batches)
         if nb == 0:
             return
-        # batch k+1 is read while batch k moves; with shared memory it fills the slot of batch k-2,
-        # which every consumer copied out before entering exchange k-1 (this rank is past it)
+        # Reading runs ahead of moving. Point to point: one batch ahead (bounded memory). Shared memory
+        # with S slots: batch m reuses the slot of batch m-S, which every consumer copied out before it
+        # entered exchange m-S+1; so once this rank is past exchange k it may read up to batch k+S-1.
+        S = self.shm.nslots if self.shm is not None else 0
+        before, after = (S - 2, S - 1) if S else (1, 1)  # batches ahead, before and after exchange k
+        futs: dict[int, Any] = {}
+        submitted = [0]  # batches handed to the reading thread so far
+
+        def submit_upto(m: int) -> None:
+            while submitted[0] <= min(m, nb - 1):
+                futs[submitted[0]] = ex.submit(self.prepare, submitted[0])
+                submitted[0] += 1
+
         with ThreadPoolExecutor(1, thread_name_prefix="hyperdcp-read-once") as ex:
-            fut = ex.submit(self.prepare, 0)
+            submit_upto(0)
             for k in range(nb):
                 state, exc = None, None
                 try:
-                    state = fut.result()
+                    state = futs.pop(k).result()
                 except Exception as e:  # noqa: BLE001 - reported to every rank below
                     exc = e
-                if exc is None and k + 1 < nb:
-                    fut = ex.submit(self.prepare, k + 1)
+                if exc is None:
+                    submit_upto(k + before)  # past exchange k-1
                 statuses = self.coord.all_gather(_status(exc))
                 try:
                     raise_remote(statuses, self.coord, f"read-once load (batch {k + 1} of {nb})", exc)
                 except BaseException:
-                    if k + 1 < nb and exc is None:
-                        fut.cancel()
+                    for f in futs.values():
+                        f.cancel()
                     raise
                 if k == 0 and self.seg is not None:
                     self.seg.unlink()  # every consumer mapped it before exchange 0
+                submit_upto(k + after)  # past exchange k
                 self.transfer(state, k)
                 state = None
 

@@ -8,6 +8,8 @@ and 16,384 ranks.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -35,7 +37,7 @@ class Box:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.lengths, dtype=np.int64)) if self.lengths else 1
+        return int(math.prod(self.lengths))
 
     @property
     def ends(self) -> Shape:
