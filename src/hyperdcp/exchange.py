@@ -56,7 +56,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .coordination import wire
-from .coordination.base import Coordinator, _status, raise_remote
+from .coordination.base import Coordinator, check_all
 from .core import dtypes
 from .core.boxes import Box
 from .core.shards import ShardedTensor
@@ -194,20 +194,31 @@ def derive_plans(meta: Metadata, tensors: Sequence[ShardedTensor], world: int,
     names = {name: i for i, name in enumerate(meta.tensors)}
     tindex = TensorIndex(meta)
     plans: list[list[tuple[int, int, Box]]] = [[] for _ in range(world)]
+    grouped: dict[bytes, tuple[list[int], list[int], list[Box]]] = {}  # tensors of one shape and layout share it
     for st in tensors:
         ti = names[st.fqn]
         stored = meta.tensors[st.fqn]
-        ranks, offs, lens = st.layout.boxes(tuple(stored.shape))
-        if only is not None:
-            keep = ranks == only
-            ranks, offs, lens = ranks[keep], offs[keep], lens[keep]
-        if not len(ranks):
-            continue
-        uniq, inv = np.unique(np.concatenate([offs, lens], axis=1), axis=0, return_inverse=True)
-        nd = offs.shape[1]
+        key = st.layout.key(tuple(stored.shape))
+        hit = grouped.get(key)
+        if hit is None:
+            ranks, offs, lens = st.layout.boxes(tuple(stored.shape))
+            if only is not None:
+                keep = ranks == only
+                ranks, offs, lens = ranks[keep], offs[keep], lens[keep]
+            rows = np.ascontiguousarray(np.concatenate([offs, lens], axis=1))
+            nd = offs.shape[1]
+            if len(rows) and nd == 0:  # scalars: one empty-coordinate box
+                inv, boxes = np.zeros(len(rows), np.int64), [Box((), ())]
+            elif len(rows):  # distinct boxes (replicas share one) through a 1-D view of the rows
+                _, first, inv = np.unique(rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).reshape(-1),
+                                          return_index=True, return_inverse=True)
+                boxes = [Box(tuple(r[:nd]), tuple(r[nd:])) for r in rows[first].tolist()]
+            else:
+                inv, boxes = np.zeros(0, np.int64), []
+            hit = grouped[key] = (ranks.tolist(), inv.reshape(-1).tolist(), boxes)
+        ranks_l, inv_l, boxes = hit
         per_box: list[list[tuple[int, int, Box]]] = []
-        for row in uniq.tolist():
-            box = Box(tuple(row[:nd]), tuple(row[nd:]))
+        for box in boxes:
             out = []
             if box.numel > 0:
                 for c in tindex.get(st.fqn).query(box).tolist():
@@ -215,7 +226,7 @@ def derive_plans(meta: Metadata, tensors: Sequence[ShardedTensor], world: int,
                     if inter is not None:
                         out.append((ti, c, inter))
             per_box.append(out)
-        for r, b in zip(ranks.tolist(), inv.reshape(-1).tolist()):
+        for r, b in zip(ranks_l, inv_l):
             plans[r].extend(per_box[b])
     return plans
 
@@ -420,7 +431,8 @@ def _contiguous(chunk: Box, box: Box) -> bool:
 
 _ROUNDS = 4  # aim for about this many batches per reader, so that reading overlaps moving
 _UNITS_PER_ROUND = 4
-_MIN_UNIT = 2 << 20  # ...but no unit smaller than this (per-unit overheads), unless the batch bound is
+_MIN_ROUND = 16 << 20  # ...but no fewer bytes per reader and batch (each batch costs a collective)
+_MIN_UNIT = 2 << 20  # no unit smaller than this (per-unit overheads), unless the batch bound is
 
 
 def build_schedule(meta: Metadata, plans: list[list[tuple[int, int, Box]]], verify: bool, batch_bytes: int,
@@ -446,7 +458,7 @@ def build_schedule(meta: Metadata, plans: list[list[tuple[int, int, Box]]], veri
 
     # unit size: about _ROUNDS units per reader, so that batch k+1 is read while batch k moves
     total = sum(chunk_size(ti, ci) for ti, ci in by_chunk)
-    T = min(B, max(_MIN_UNIT, -(-total // (world * _ROUNDS))))  # bytes per reader per batch
+    T = min(B, max(_MIN_ROUND, -(-total // (world * _ROUNDS))))  # bytes per reader per batch
     U = min(B, max(_MIN_UNIT, T // _UNITS_PER_ROUND))  # bytes per unit: a batch's reads run in parallel threads
     units: list[Unit] = []
     for (ti, ci) in sorted(by_chunk):
@@ -809,9 +821,8 @@ class _Exchange:
                     exc = e
                 if exc is None:
                     submit_upto(k + before)  # past exchange k-1
-                statuses = self.coord.all_gather(_status(exc))
                 try:
-                    raise_remote(statuses, self.coord, f"read-once load (batch {k + 1} of {nb})", exc)
+                    check_all(self.coord, f"read-once load (batch {k + 1} of {nb})", exc)
                 except BaseException:
                     for f in futs.values():
                         f.cancel()

@@ -18,11 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from . import adapters
+from . import adapters, hf
 from .adapters.state_dict import TENSOR, LoadLeaf, leaves_for_load
+from .async_save.rank_files import has_rank_files
 from .coordination.base import Coordinator, broadcast_checked, run_checked
 from .core.shards import ShardedTensor
 from .errors import CorruptionError, MismatchError, StateDictError
+from .exchange import read_once
 from .format.metadata import METADATA_FILE, Metadata
 from .options import LoadOptions
 from .planning.load_plan import ChunkRead, Piece, TensorIndex, check_compatible, dst_view, group_reads, pieces_for, src_view
@@ -51,10 +53,6 @@ def fetch_metadata(coord: Coordinator, path: str) -> Metadata:
     A remote URL (fsspec) must hold a committed hyperdcp checkpoint: HuggingFace sources and unmerged
     rank files of no-collectives async saves are detected on local paths only.
     """
-    from . import hf
-
-    from .async_save.rank_files import has_rank_files
-
     if is_remote(path):
         raw = broadcast_checked(coord, f"reading the metadata of {path!r}", lambda: read_remote_metadata_bytes(path), 0)
         return Metadata.from_json(raw, where=url_join(path, METADATA_FILE))
@@ -193,8 +191,6 @@ def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> L
 
         def do_reads():
             if opts.read_once and coord.world_size > 1:
-                from .exchange import read_once
-
                 read_once(files, meta, targets.pieces, coord, opts, list(targets.tensors.values()))
             else:
                 reads = group_reads(meta, targets.pieces, opts.verify_checksums)

@@ -109,15 +109,17 @@ def grid_layout(value: torch.Tensor, ctx) -> GridLayout | None:
         return replicated_layout(ctx.world_size)
     mesh = value.device_mesh
     cache = _layout_cache(ctx)
-    hit = cache.get(mesh)
-    if hit is None:
-        grid = None
+    hit = cache.get(id(mesh))
+    if hit is None or hit[0]() is not mesh:
         glob = np.asarray(mesh.mesh.cpu().numpy(), dtype=np.int64)
-        to_group = {g: r for r, g in enumerate(ctx.global_ranks)}
-        if all(int(g) in to_group for g in glob.reshape(-1).tolist()):
-            grid = np.vectorize(lambda g: to_group[int(g)], otypes=[np.int64])(glob) if glob.size else glob
-        hit = cache[mesh] = (grid, GridLayout.digest_mesh(grid) if grid is not None else b"")
-    grid, key = hit
+        members = np.asarray(ctx.global_ranks, dtype=np.int64)
+        lookup = np.full(int(max(glob.max(initial=0), members.max(initial=0))) + 1, -1, dtype=np.int64)
+        lookup[members] = np.arange(len(members), dtype=np.int64)
+        grid = lookup[glob] if glob.size else glob
+        if grid.size and int(grid.min()) < 0:
+            grid = None  # a mesh rank outside this coordinator's group
+        hit = cache[id(mesh)] = (weakref.ref(mesh), grid, GridLayout.digest_mesh(grid) if grid is not None else b"")
+    _, grid, key = hit
     if grid is None:
         return None
     nd = value.dim()
@@ -125,11 +127,12 @@ def grid_layout(value: torch.Tensor, ctx) -> GridLayout | None:
     return GridLayout(grid, placements, key)
 
 
-def _layout_cache(ctx) -> "weakref.WeakKeyDictionary[Any, Any]":
-    # per coordinator (its group fixes the rank numbering); meshes are shared by many tensors
+def _layout_cache(ctx) -> dict[int, Any]:
+    # per coordinator (its group fixes the rank numbering); meshes are shared by many tensors. Keyed by
+    # id() and checked through a weak reference: hashing a DeviceMesh is slow
     cache = getattr(ctx, "_hyperdcp_layouts", None)
     if cache is None:
-        cache = weakref.WeakKeyDictionary()
+        cache = {}
         try:
             ctx._hyperdcp_layouts = cache
         except AttributeError:  # a coordinator with __slots__: no caching

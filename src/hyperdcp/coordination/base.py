@@ -44,6 +44,10 @@ class Coordinator(ABC):
     def barrier(self) -> None:
         self.all_gather(b"")
 
+    def any_true(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any rank (one small collective)."""
+        return any(b == b"1" for b in self.all_gather(b"1" if flag else b"0"))
+
     def arrive(self, what: str) -> None:
         """Wait for every rank to enter ``what`` (a save or load); raise CoordinationError naming the
         ranks that did not arrive within the timeout. No-op where ranks cannot go missing."""
@@ -99,6 +103,15 @@ def raise_remote(statuses: Sequence[bytes], coord: Coordinator, what: str, local
     )
 
 
+def check_all(coord: Coordinator, what: str, exc: BaseException | None) -> None:
+    """Every rank calls it with its own error (or None); if any rank had one, raise on every rank.
+
+    The common case costs one one-flag collective; the error texts are exchanged only after a failure.
+    """
+    if coord.any_true(exc is not None):
+        raise_remote(coord.all_gather(_status(exc)), coord, what, exc)
+
+
 def run_checked(coord: Coordinator, what: str, fn: Callable[[], T]) -> T:
     """Run ``fn`` on every rank; if it raised anywhere, raise everywhere (after all ranks finished it)."""
     result, exc = None, None
@@ -106,8 +119,7 @@ def run_checked(coord: Coordinator, what: str, fn: Callable[[], T]) -> T:
         result = fn()
     except Exception as e:  # noqa: BLE001 - forwarded to every rank below
         exc = e
-    statuses = coord.all_gather(_status(exc))
-    raise_remote(statuses, coord, what, exc)
+    check_all(coord, what, exc)
     return result  # type: ignore[return-value]
 
 

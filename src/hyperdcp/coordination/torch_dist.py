@@ -47,6 +47,9 @@ def gloo_group(pg=None, timeout: float | None = None):
     return twin
 
 
+_BCAST_INLINE = 64 << 10  # broadcasts up to this size take one collective
+
+
 def _t(data: bytes, size: int | None = None) -> torch.Tensor:
     size = len(data) if size is None else size
     buf = np.zeros(max(size, 1), dtype=np.uint8)
@@ -210,25 +213,51 @@ class TorchCoordinator(Coordinator):
     def global_ranks(self) -> list[int]:
         return list(self._global)
 
-    def _sizes(self, n: int) -> list[int]:
-        mine = torch.tensor([n], dtype=torch.int64)
-        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        self._call(dist.all_gather, out, mine, group=self.group)
-        return [int(t.item()) for t in out]
+    def _inline(self) -> int:
+        # bytes per rank carried in the first (often only) collective: small payloads (statuses,
+        # plan headers) take one round trip instead of two; the frame shrinks as the world grows
+        return max(64, min(4096, (1 << 20) // max(self.world_size, 1)))
+
+    def _framed(self, collective, data: bytes, want_all: bool) -> tuple[list[int], list[torch.Tensor] | None]:
+        """First round: every rank's (length, first bytes); returns the lengths and the frames."""
+        cap = self._inline()
+        frame = _t(len(data).to_bytes(8, "little") + data[: cap - 8], cap)
+        out = [torch.empty(cap, dtype=torch.uint8) for _ in range(self.world_size)] if want_all else None
+        collective(out, frame)
+        if out is None:
+            return [], None
+        return [int.from_bytes(o.numpy()[:8].tobytes(), "little") for o in out], out
+
+    def any_true(self, flag: bool) -> bool:
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        self._call(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
 
     def all_gather(self, data: bytes) -> list[bytes]:
-        sizes = self._sizes(len(data))
-        m = max(max(sizes), 1)
+        cap = self._inline() - 8
+        sizes, frames = self._framed(lambda out, t: self._call(dist.all_gather, out, t, group=self.group), data, True)
+        if max(sizes) <= cap:
+            return [frames[r].numpy()[8 : 8 + sizes[r]].tobytes() for r in range(self.world_size)]
+        m = max(sizes)
         out = [torch.empty(m, dtype=torch.uint8) for _ in range(self.world_size)]
         self._call(dist.all_gather, out, _t(data, m), group=self.group)
         return [out[r].numpy()[: sizes[r]].tobytes() for r in range(self.world_size)]
 
     def gather(self, data: bytes, dst: int = 0) -> list[bytes] | None:
-        sizes = self._sizes(len(data))
-        m = max(max(sizes), 1)
-        out = [torch.empty(m, dtype=torch.uint8) for _ in range(self.world_size)] if self.rank == dst else None
+        cap = self._inline() - 8
+        me_dst = self.rank == dst
+        sizes, frames = self._framed(
+            lambda out, t: self._call(dist.gather, t, out, dst=self._global[dst], group=self.group), data, me_dst)
+        # everyone must know whether a second round follows: the root tells them
+        big = self.broadcast(b"1" if me_dst and max(sizes) > cap else b"0", dst) == b"1"
+        if not big:
+            if not me_dst:
+                return None
+            return [frames[r].numpy()[8 : 8 + sizes[r]].tobytes() for r in range(self.world_size)]
+        m = int(self.broadcast(str(max(sizes)).encode() if me_dst else None, dst))
+        out = [torch.empty(m, dtype=torch.uint8) for _ in range(self.world_size)] if me_dst else None
         self._call(dist.gather, _t(data, m), out, dst=self._global[dst], group=self.group)
-        if self.rank != dst:
+        if not me_dst:
             return None
         return [out[r].numpy()[: sizes[r]].tobytes() for r in range(self.world_size)]
 
@@ -245,9 +274,14 @@ class TorchCoordinator(Coordinator):
         return raw[8 : 8 + n].tobytes()
 
     def broadcast(self, data: bytes | None, src: int = 0) -> bytes:
-        size = torch.tensor([len(data) if self.rank == src else 0], dtype=torch.int64)
-        self._call(dist.broadcast, size, src=self._global[src], group=self.group)
-        n = int(size.item())
-        buf = _t(data) if self.rank == src else torch.empty(max(n, 1), dtype=torch.uint8)
-        self._call(dist.broadcast, buf, src=self._global[src], group=self.group)
-        return buf.numpy()[:n].tobytes()
+        cap = _BCAST_INLINE
+        me = self.rank == src
+        frame = _t(len(data).to_bytes(8, "little") + data[: cap - 8], cap) if me else torch.empty(cap, dtype=torch.uint8)
+        self._call(dist.broadcast, frame, src=self._global[src], group=self.group)
+        raw = frame.numpy()
+        n = int.from_bytes(raw[:8].tobytes(), "little")
+        if n <= cap - 8:
+            return raw[8 : 8 + n].tobytes()
+        rest = _t(data[cap - 8 :]) if me else torch.empty(n - (cap - 8), dtype=torch.uint8)
+        self._call(dist.broadcast, rest, src=self._global[src], group=self.group)
+        return raw[8:].tobytes() + rest.numpy().tobytes()
