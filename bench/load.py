@@ -7,7 +7,8 @@ HSDP on a (R, S) mesh [Replicate, Shard(0)] by both libraries, then loaded (a) i
 * read amplification: bytes read from storage summed over ranks / the checkpoint's unique bytes,
   counted by hyperdcp's storage layer (``LoadResult.bytes_read``) and cross-checked with
   /proc/self/io (``rchar``: bytes through read syscalls; ``read_bytes``: bytes fetched from the device);
-* wall time (slowest rank, between barriers) with a cold page cache: before each load rank 0 runs
+* wall time (slowest rank, between barriers; the median of ``--repeat`` runs, the libraries taking
+  turns to go first) with a cold page cache: before each load rank 0 runs
   ``sync; echo 3 > /proc/sys/vm/drop_caches`` where permitted, else evicts the checkpoint's files
   with posix_fadvise(DONTNEED) (the method used is printed);
 * extra host memory: the peak of host-wide used memory (MemTotal - MemAvailable, sampled every 2 ms on
@@ -33,6 +34,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -186,37 +188,39 @@ def _rank(rank, world, args, root):
     cases = {"a_same_layout": (hsdp, [Replicate(), Shard(0)]), "b_1d_shard1": (flat, [Shard(1)])}
     libs = ["hyperdcp"] + ([] if args.no_torch else ["torch"])
     results = {}
-    for case, (mesh, placements) in cases.items():
-        for lib in libs:
-            state = _state(mesh, placements, shapes, fill=False)
-            dist.barrier()
-            method = drop_caches([hp, tp]) if rank == 0 else ""
-            dist.barrier()
-            peak_ok = _reset_peak()
-            rss0, io0 = _status_kib("VmRSS"), _io()
-            host = HostMemory() if rank == 0 else None
-            dist.barrier()
-            t0 = time.perf_counter()
-            counted = None
-            if lib == "hyperdcp":
-                counted = hyperdcp.load(state, hp, read_once=not args.no_read_once,
-                                        read_once_batch_bytes=args.batch_mib << 20).bytes_read
-            else:
-                dcp.load(state, checkpoint_id=tp)
-            t1 = time.perf_counter()
-            dist.barrier()
-            t2 = time.perf_counter()
-            host_added = host.stop() if host is not None else 0
-            dest = sum(v.to_local().numel() * v.to_local().element_size() for v in state.values())
-            io1 = _io()
-            peak = (_status_kib("VmHWM") - rss0) * 1024 if peak_ok else -1
-            _check(state, shapes)
-            results[(case, lib)] = {
-                "seconds": t1 - t0, "seconds_to_barrier": t2 - t0, "counted": counted,
-                "rchar": io1["rchar"] - io0["rchar"], "read_bytes": io1["read_bytes"] - io0["read_bytes"],
-                "peak_extra": peak, "cache": method, "host_added": host_added, "dest_bytes": dest,
-            }
-            del state
+    # the libraries take turns going first, so neither always follows the save or the other case
+    order = [(case, lib) for rep in range(args.repeat) for case in cases for lib in (libs if rep % 2 == 0 else libs[::-1])]
+    for case, lib in order:
+        mesh, placements = cases[case]
+        state = _state(mesh, placements, shapes, fill=False)
+        dist.barrier()
+        method = drop_caches([hp, tp]) if rank == 0 else ""
+        dist.barrier()
+        peak_ok = _reset_peak()
+        rss0, io0 = _status_kib("VmRSS"), _io()
+        host = HostMemory() if rank == 0 else None
+        dist.barrier()
+        t0 = time.perf_counter()
+        counted = None
+        if lib == "hyperdcp":
+            counted = hyperdcp.load(state, hp, read_once=not args.no_read_once,
+                                    read_once_batch_bytes=args.batch_mib << 20).bytes_read
+        else:
+            dcp.load(state, checkpoint_id=tp)
+        t1 = time.perf_counter()
+        dist.barrier()
+        t2 = time.perf_counter()
+        host_added = host.stop() if host is not None else 0
+        dest = sum(v.to_local().numel() * v.to_local().element_size() for v in state.values())
+        io1 = _io()
+        peak = (_status_kib("VmHWM") - rss0) * 1024 if peak_ok else -1
+        _check(state, shapes)
+        results.setdefault((case, lib), []).append({
+            "seconds": t1 - t0, "seconds_to_barrier": t2 - t0, "counted": counted,
+            "rchar": io1["rchar"] - io0["rchar"], "read_bytes": io1["read_bytes"] - io0["read_bytes"],
+            "peak_extra": peak, "cache": method, "host_added": host_added, "dest_bytes": dest,
+        })
+        del state
     return results
 
 
@@ -269,6 +273,7 @@ def main() -> None:
                     help="read-once transfers over gloo only, also between ranks of one host (HYPERDCP_READ_ONCE_SHM=0)")
     ap.add_argument("--hosts", type=int, default=1,
                     help="pretend the ranks sit on this many hosts (HYPERDCP_HOST=rank %% hosts): shared memory within, gloo across")
+    ap.add_argument("--repeat", type=int, default=3, help="loads per case and library (medians reported)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=3600)
     args = ap.parse_args()
@@ -288,38 +293,43 @@ def main() -> None:
 
         unique = hyperdcp.read_metadata(os.path.join(root, "hyperdcp")).tensor_bytes
         print(f"{args.ranks} ranks, HSDP mesh {tuple(args.mesh)} save, {args.tensors} x ({args.rows}, {args.cols}) "
-              f"float32 = {unique / 2**20:.0f} MiB unique; cache: {res[0][next(iter(res[0]))]['cache']}; "
+              f"float32 = {unique / 2**20:.0f} MiB unique; cache: {res[0][next(iter(res[0]))][0]['cache']}; "
               f"read_once_batch_bytes {args.batch_mib} MiB; transport: "
               f"{'gloo only' if args.no_shm else 'shm within a host, gloo across'}, {args.hosts} host(s); total run {time.perf_counter() - t:.0f} s")
         report = {}
         floor = {}
+        med = statistics.median
+        n = args.repeat
         for case in dict.fromkeys(k[0] for k in res[0]):
-            disk, fill = floors(os.path.join(root, "hyperdcp"), [r[(case, "hyperdcp")]["dest_bytes"] for r in res])
+            runs = [floors(os.path.join(root, "hyperdcp"), [r[(case, "hyperdcp")][0]["dest_bytes"] for r in res])
+                    for _ in range(n)]
+            disk, fill = med(d for d, _ in runs), med(f for _, f in runs)
             floor[case] = max(disk, fill)
-            report[f"{case}/floor"] = {"disk_s": disk, "fill_s": fill}
+            report[f"{case}/floor"] = {"disk_s": disk, "fill_s": fill, "runs": runs}
             print(f"floor {case}: cold parallel read of the unique bytes {disk:.2f} s, filling the destinations {fill:.2f} s")
         print(f"{'case':<16}{'library':<10}{'ampl(counted)':>14}{'ampl(rchar)':>12}{'ampl(disk)':>11}"
-              f"{'wall s':>8}{'/floor':>8}{'host extra MiB':>16}{'rank RSS peak MiB':>19}")
+              f"{'wall s':>8}{'/floor':>8}{'host extra MiB':>16}{'rank RSS peak MiB':>19}   wall s of each run")
+        walls = {}
         for key in res[0]:
             case, lib = key
-            rows = [r[key] for r in res]
-            counted = sum(r["counted"] for r in rows) / unique if rows[0]["counted"] is not None else float("nan")
-            rchar = sum(r["rchar"] for r in rows) / unique
-            disk = sum(r["read_bytes"] for r in rows) / unique
-            wall = max(r["seconds_to_barrier"] for r in rows)
-            peak = max(r["peak_extra"] for r in rows) / 2**20
-            host_extra = rows[0]["host_added"] / 2**20
+            first = [r[key][0] for r in res]
+            counted = sum(x["counted"] for x in first) / unique if first[0]["counted"] is not None else float("nan")
+            rchar = sum(x["rchar"] for x in first) / unique
+            disk = sum(x["read_bytes"] for x in first) / unique
+            each = [max(r[key][i]["seconds_to_barrier"] for r in res) for i in range(n)]
+            wall = walls[key] = med(each)
+            peak = med(max(r[key][i]["peak_extra"] for r in res) for i in range(n)) / 2**20
+            host_extra = med(res[0][key][i]["host_added"] for i in range(n)) / 2**20
             print(f"{case:<16}{lib:<10}{counted:>14.3f}{rchar:>12.3f}{disk:>11.3f}{wall:>8.2f}{wall / floor[case]:>8.2f}"
-                  f"{host_extra:>16.0f}{peak:>19.0f}")
+                  f"{host_extra:>16.0f}{peak:>19.0f}   {' '.join(f'{w:.2f}' for w in each)}")
             report[f"{case}/{lib}"] = {"ampl_counted": counted, "ampl_rchar": rchar, "ampl_disk": disk,
-                                       "wall_over_floor": wall / floor[case],
-                                       "wall_s": wall, "host_extra_mib": host_extra, "peak_extra_mib_max": peak,
-                                       "per_rank": rows}
+                                       "wall_s": wall, "wall_s_runs": each, "wall_over_floor": wall / floor[case],
+                                       "host_extra_mib": host_extra, "rank_rss_peak_mib": peak,
+                                       "per_rank": [r[key] for r in res]}
         for case in floor:
             if not args.no_torch:
-                ratio = max(r[(case, "hyperdcp")]["seconds_to_barrier"] for r in res) / max(
-                    r[(case, "torch")]["seconds_to_barrier"] for r in res)
-                print(f"{case}: wall time hyperdcp/torch = {ratio:.3f}")
+                print(f"{case}: wall time hyperdcp/torch = {walls[(case, 'hyperdcp')] / walls[(case, 'torch')]:.3f} "
+                      f"(medians of {n} runs)")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1, default=str)

@@ -429,9 +429,9 @@ def _contiguous(chunk: Box, box: Box) -> bool:
     return True
 
 
-_ROUNDS = 4  # aim for about this many batches per reader, so that reading overlaps moving
+_ROUNDS = 32  # aim for about this many batches per reader, so that reading overlaps moving
 _UNITS_PER_ROUND = 4
-_MIN_ROUND = 16 << 20  # ...but no fewer bytes per reader and batch (each batch costs a collective)
+_MIN_ROUND = 4 << 20  # ...but no fewer bytes per reader and batch (each batch costs a collective)
 _MIN_UNIT = 2 << 20  # no unit smaller than this (per-unit overheads), unless the batch bound is
 
 
