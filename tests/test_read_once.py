@@ -234,3 +234,27 @@ def test_shm_layout_falls_back_per_host_without_room():
     assert tight.offset == {0: 0} and tight.names[2] == "" and not tight.via(units[1], 3)  # host b: p2p
     split = shm_layout(sched, ["a", "c", "b", "b"], names, [1 << 30] * 4, 1 << 20)
     assert not split.via(units[0], 1) and split.via(units[1], 3)  # rank 1 elsewhere: p2p
+
+
+def _bad_shape_on_rank_1(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    state = make_state(init_device_mesh("cpu", (2, 2)), _hsdp, zeros=True)
+    if rank == 1:
+        state["model"]["norm"] = torch.zeros(7)  # the checkpoint holds 6 elements
+    try:
+        res = hyperdcp.load(state, path, read_once=True)
+    except hyperdcp.CheckpointError as e:
+        return type(e).__name__, str(e)
+    return "loaded", res.bytes_read
+
+
+def test_planning_error_on_one_rank_fails_every_rank(ckpt):
+    """The error travels with the read-once plan exchange: every rank raises, none hangs, all name rank 1."""
+    out = run_ranks(4, _bad_shape_on_rank_1, ckpt, timeout=120)
+    kind, msg = out[1]
+    assert kind == "MismatchError" and "model.norm" in msg and "[6]" in msg, out[1]
+    for r in (0, 2, 3):
+        kind, msg = out[r]
+        assert kind == "RemoteRankError" and "planning the load" in msg and "rank(s) 1 " in msg, out[r]
+        assert "model.norm" in msg, msg  # the first error's text, from rank 1

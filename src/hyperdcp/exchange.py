@@ -56,7 +56,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .coordination import wire
-from .coordination.base import Coordinator, check_all
+from .coordination.base import Coordinator, _status, check_all, raise_remote
 from .core import dtypes
 from .core.boxes import Box
 from .core.shards import ShardedTensor
@@ -382,9 +382,16 @@ def shm_layout(sched: Schedule, hosts: list[str], names: list[str], frees: list[
     return ShmLayout(list(hosts), [n if ok[r] else "" for r, n in enumerate(names)], slot, nslots, offset)
 
 
+def _head(raw: bytes) -> dict[str, Any]:
+    try:
+        head, _ = wire.unpack(raw)
+    except (ValueError, KeyError, TypeError):
+        raise MismatchError("read-once: a rank sent a malformed plan; do all ranks run the same hyperdcp version?") from None
+    return head if isinstance(head, dict) else {}
+
+
 def _layout_of(raw: bytes) -> str:
-    head, _ = wire.unpack(raw)
-    d = head.get("layout", "")
+    d = _head(raw).get("layout", "")
     return d if isinstance(d, str) else ""
 
 
@@ -835,15 +842,19 @@ class _Exchange:
 
 
 def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coordinator, opts: LoadOptions,
-              tensors: Sequence[ShardedTensor] | None = None) -> Schedule | None:
+              tensors: Sequence[ShardedTensor] | None = None, plan_error: BaseException | None = None,
+              plan_what: str = "planning the load") -> Schedule | None:
     """Fill ``pieces`` reading every needed stored byte once across the ranks of ``coord``.
 
     Every rank must call it (with an empty list when it needs nothing). ``tensors``: the destination
     tensors ``pieces`` were planned from, in that order; when every rank's have grid layouts that
-    agree, plans are derived locally and only a digest is exchanged. Coordinators without a
+    agree, plans are derived locally and only a digest is exchanged. ``plan_error``: this rank's
+    planning failed; it travels with the plan exchange, so a failure anywhere raises on every rank
+    (as ``plan_what``) before anything is read, at no extra collective. Coordinators without a
     torch.distributed process group fall back to each rank reading what it needs.
     """
     if coord.world_size <= 1 or getattr(coord, "group", None) is None:
+        check_all(coord, plan_what, plan_error)
         from .loading import execute_local_reads
 
         execute_local_reads(files, meta, group_reads(meta, pieces, opts.verify_checksums), opts)
@@ -863,7 +874,12 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
         except (KeyError, ValueError, IndexError):
             digest = ""
         # one exchange of fixed-size records when the layouts agree everywhere, else of the plans
-        raws = coord.all_gather(encode_plan(meta, [] if digest else pieces, {**extra, "layout": digest}))
+        err = _status(plan_error).decode("utf-8", "replace") if plan_error is not None else ""
+        raws = coord.all_gather(encode_plan(meta, [] if digest else pieces, {**extra, "layout": digest, "err": err}))
+        errs = [_head(raw).get("err") or "" for raw in raws]
+        if any(errs):
+            raise_remote([e.encode("utf-8") if isinstance(e, str) and e else _status(None) for e in errs],
+                         coord, plan_what, plan_error)
         digests = {_layout_of(raw) for raw in raws}
         derived = bool(digest) and digests == {digest}
         if derived:

@@ -187,11 +187,21 @@ def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> L
                 )
             return targets, finish
 
-        targets, finish = run_checked(coord, f"planning the load of {path!r}", plan)
+        plan_what = f"planning the load of {path!r}"
+        spread = opts.read_once and coord.world_size > 1
+        if spread:  # a planning error travels with the read-once plan exchange
+            targets = finish = plan_error = None
+            try:
+                targets, finish = plan()
+            except Exception as e:  # noqa: BLE001 - raised on every rank by read_once
+                plan_error = e
+        else:
+            targets, finish = run_checked(coord, plan_what, plan)
 
         def do_reads():
-            if opts.read_once and coord.world_size > 1:
-                read_once(files, meta, targets.pieces, coord, opts, list(targets.tensors.values()))
+            if spread:
+                read_once(files, meta, targets.pieces if targets else [], coord, opts,
+                          list(targets.tensors.values()) if targets else None, plan_error, plan_what)
             else:
                 reads = group_reads(meta, targets.pieces, opts.verify_checksums)
                 execute_local_reads(files, meta, reads, opts)
