@@ -195,6 +195,7 @@ def derive_plans(meta: Metadata, tensors: Sequence[ShardedTensor], world: int,
     tindex = TensorIndex(meta)
     plans: list[list[tuple[int, int, Box]]] = [[] for _ in range(world)]
     grouped: dict[bytes, tuple[list[int], list[int], list[Box]]] = {}  # tensors of one shape and layout share it
+    inter_cache: dict[bytes, list[list[tuple[int, Box]]]] = {}
     for st in tensors:
         ti = names[st.fqn]
         stored = meta.tensors[st.fqn]
@@ -217,15 +218,23 @@ def derive_plans(meta: Metadata, tensors: Sequence[ShardedTensor], world: int,
                 inv, boxes = np.zeros(0, np.int64), []
             hit = grouped[key] = (ranks.tolist(), inv.reshape(-1).tolist(), boxes)
         ranks_l, inv_l, boxes = hit
-        per_box: list[list[tuple[int, int, Box]]] = []
-        for box in boxes:
-            out = []
-            if box.numel > 0:
-                for c in tindex.get(st.fqn).query(box).tolist():
-                    inter = box.intersect(stored.chunks.box(c))
-                    if inter is not None:
-                        out.append((ti, c, inter))
-            per_box.append(out)
+        # tensors stored on the same chunk grid (every layer of a model) intersect alike
+        ch = stored.chunks
+        gkey = key + hashlib.blake2b(np.ascontiguousarray(ch.offsets).tobytes() + b"|" +
+                                     np.ascontiguousarray(ch.lengths).tobytes(), digest_size=16).digest()
+        per_box_c = inter_cache.get(gkey)
+        if per_box_c is None:
+            per_box_c = []
+            for box in boxes:
+                out = []
+                if box.numel > 0:
+                    for c in tindex.get(st.fqn).query(box).tolist():
+                        inter = box.intersect(ch.box(c))
+                        if inter is not None:
+                            out.append((c, inter))
+                per_box_c.append(out)
+            inter_cache[gkey] = per_box_c
+        per_box = [[(ti, c, inter) for c, inter in out] for out in per_box_c]
         for r, b in zip(ranks_l, inv_l):
             plans[r].extend(per_box[b])
     return plans
