@@ -204,7 +204,8 @@ def _rank(rank, world, args, root):
         counted = None
         if lib == "hyperdcp":
             counted = hyperdcp.load(state, hp, read_once=not args.no_read_once,
-                                    read_once_batch_bytes=args.batch_mib << 20).bytes_read
+                                    read_once_batch_bytes=args.batch_mib << 20,
+                                    read_once_broadcast=not args.no_broadcast).bytes_read
         else:
             dcp.load(state, checkpoint_id=tp)
         t1 = time.perf_counter()
@@ -269,6 +270,8 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-read-once", action="store_true")
+    ap.add_argument("--no-broadcast", action="store_true",
+                    help="replicas on other hosts get their chunks point to point, not by broadcast in mesh groups")
     ap.add_argument("--no-shm", action="store_true",
                     help="read-once transfers over gloo only, also between ranks of one host (HYPERDCP_READ_ONCE_SHM=0)")
     ap.add_argument("--hosts", type=int, default=1,

@@ -258,3 +258,36 @@ def test_planning_error_on_one_rank_fails_every_rank(ckpt):
         kind, msg = out[r]
         assert kind == "RemoteRankError" and "planning the load" in msg and "rank(s) 1 " in msg, out[r]
         assert "model.norm" in msg, msg  # the first error's text, from rank 1
+
+
+def _replicas_across_hosts(rank, world, path):
+    """Replicas of each shard on two pretend hosts: their chunks go by broadcast in the mesh's dim-0 group."""
+    import hyperdcp.exchange as ex
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ["HYPERDCP_HOST"] = f"h{rank // 2}"  # mesh [[0, 1], [2, 3]]: replicas {0, 2} and {1, 3} apart
+    seen = []
+    real = ex.mark_broadcasts
+
+    def spy(sched, *a):
+        real(sched, *a)
+        seen.append(sched)
+
+    ex.mark_broadcasts = spy
+    out = {}
+    for label, opts in (("bcast", {}), ("p2p", {"read_once_broadcast": False})):
+        state = make_state(init_device_mesh("cpu", (2, 2)), _hsdp, zeros=True)
+        n = hyperdcp.load(state, path, read_once=True, **opts).bytes_read
+        check_state(state)
+        out[label] = (n, sum(u.bcast for u in seen[-1].units), len(seen[-1].units))
+    return out
+
+
+def test_replicas_on_other_hosts_go_by_broadcast_in_mesh_groups(ckpt):
+    unique = hyperdcp.read_metadata(ckpt).tensor_bytes
+    res = run_ranks(4, _replicas_across_hosts, ckpt, timeout=180)
+    for label in ("bcast", "p2p"):
+        assert sum(r[label][0] for r in res) == unique, label  # still every byte read once
+    n, bcast, units = res[0]["bcast"]
+    assert 0 < bcast < units  # the sharded tensors' chunks; the replicated one stays in shared memory
+    assert res[0]["p2p"][1] == 0

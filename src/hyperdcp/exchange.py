@@ -59,6 +59,7 @@ from .coordination import wire
 from .coordination.base import Coordinator, _status, check_all, raise_remote
 from .core import dtypes
 from .core.boxes import Box
+from .core.layout import mesh_lines
 from .core.shards import ShardedTensor
 from .errors import CheckpointError, CoordinationError, MismatchError
 from .format.metadata import Metadata
@@ -92,6 +93,7 @@ class Unit:
     hi: int
     needs: list[Need]
     reader: int = -1
+    bcast: bool = False  # identical bytes for every needer, who form one mesh-dim group: a broadcast
 
     @property
     def nbytes(self) -> int:
@@ -367,7 +369,7 @@ def shm_layout(sched: Schedule, hosts: list[str], names: list[str], frees: list[
             used = [0] * world
             for u in batch:
                 r = u.reader
-                if ok[r] and any(n.rank != r and hosts[n.rank] == hosts[r] for n in u.needs):
+                if ok[r] and not u.bcast and any(n.rank != r and hosts[n.rank] == hosts[r] for n in u.needs):
                     offset[u.uid] = used[r]
                     used[r] += -(-u.nbytes // _ALIGN) * _ALIGN
             slot = [max(a, b) for a, b in zip(slot, used)]
@@ -573,6 +575,44 @@ def build_schedule(meta: Metadata, plans: list[list[tuple[int, int, Box]]], veri
     return Schedule(units, batches, load, sent)
 
 
+def broadcast_groups(tensors: Sequence[ShardedTensor], me: int, world: int, whole: Any) -> tuple[set[frozenset[int]], dict[frozenset[int], Any]]:
+    """(every mesh-dim group's member set, known identically on every rank; this rank's handle for each
+    set it belongs to). Groups come with the layouts (a DeviceMesh's own groups), plus ``whole`` for all
+    ranks: none is created here. Tensors are walked in order, so members pick the same handle."""
+    lines: set[frozenset[int]] = {frozenset(range(world))}
+    mine: dict[frozenset[int], Any] = {frozenset(range(world)): whole}
+    seen: set[bytes] = set()
+    for st in tensors:
+        lay = st.layout
+        if lay is None or lay.mesh_key in seen:
+            continue
+        seen.add(lay.mesh_key)
+        grid = np.asarray(lay.mesh)
+        lines.update(mesh_lines(grid))
+        where = np.argwhere(grid == me)
+        if not len(where) or len(lay.groups) != grid.ndim:
+            continue
+        coord = tuple(int(c) for c in where[0])
+        for d, handle in enumerate(lay.groups):
+            line = frozenset(grid[coord[:d] + (slice(None),) + coord[d + 1:]].reshape(-1).tolist())
+            mine.setdefault(line, handle)
+    return lines, mine
+
+
+def mark_broadcasts(sched: Schedule, lines: set[frozenset[int]], hosts: Sequence[str]) -> None:
+    """Units whose needers all want the same contiguous bytes, form one group's member set and sit on
+    other hosts than the reader (else shared memory serves them) go by one broadcast in that group."""
+    for u in sched.units:
+        u.bcast = False
+        if len(u.needs) < 2:
+            continue
+        box = u.needs[0].box
+        ranks = frozenset(n.rank for n in u.needs)
+        if (len(ranks) == len(u.needs) and ranks in lines and all(n.contiguous and n.box == box for n in u.needs)
+                and all(hosts[n.rank] != hosts[u.reader] for n in u.needs if n.rank != u.reader)):
+            u.bcast = True
+
+
 # -- execution --------------------------------------------------------------------------------
 
 
@@ -593,6 +633,8 @@ def _messages(batch: list[Unit], me: int, shm: ShmLayout | None = None) -> tuple
     pairs_out: dict[int, list] = {}
     pairs_in: dict[int, list] = {}
     for u in batch:
+        if u.bcast:
+            continue
         for n in u.needs:
             if n.rank == u.reader or (shm is not None and shm.via(u, n.rank)):
                 continue
@@ -629,6 +671,7 @@ class _Exchange:
         self.dist = dist
         self.files, self.meta, self.pieces, self.coord, self.opts, self.sched = files, meta, pieces, coord, opts, sched
         self.shm, self.seg = shm, seg
+        self.bgroups: dict[int, Any] = {}  # uid -> process group, for the broadcast units this rank is in
         self.own_map: mmap.mmap | None = None  # this rank's segment, written by its reads
         self.maps: dict[int, mmap.mmap] = {}  # same-host readers' segments, read by this rank
         self.me = coord.rank
@@ -688,7 +731,8 @@ class _Exchange:
                     isz = dtypes.itemsize(self.meta.tensors[self.names[u.tidx]].dtype)
                     np.copyto(flat[off : off + n.nbytes].reshape(n.box.lengths + (isz,)), self._src(bufs, u, n, flat=False))
                 out.append((m, flat))
-        return {"sends": out, "recvs": recvs}
+        bsend = {u.uid: self._src(bufs, u, u.needs[0], flat=True) for u in mine if u.bcast}
+        return {"sends": out, "recvs": recvs, "bsend": bsend, "batch": batch}
 
     # shared memory ---------------------------------------------------------------------------------
     def _map_segments(self) -> None:
@@ -802,6 +846,19 @@ class _Exchange:
             works.append(self._call(dist.irecv, torch.from_numpy(buf), src=self.glob[m.peer], group=self.group, tag=m.tag))
         for m, payload in state["sends"]:
             works.append(self._call(dist.isend, torch.from_numpy(payload), dst=self.glob[m.peer], group=self.group, tag=m.tag))
+        for u in state["batch"]:  # every member issues its group's broadcasts in the same (uid) order
+            if not u.bcast or u.uid not in self.bgroups:
+                continue
+            if u.reader == self.me:
+                buf = state["bsend"][u.uid]
+            else:
+                n = next(n for n in u.needs if n.rank == self.me)
+                p, direct = self._dst(u, n)
+                buf = direct if direct is not None else np.empty(n.nbytes, dtype=np.uint8)
+                if direct is None:
+                    after.append((buf, [(p, 0, n.nbytes)]))
+            works.append(self._call(dist.broadcast, torch.from_numpy(buf), src=self.glob[u.reader],
+                                    group=self.bgroups[u.uid], async_op=True))
         if self.shm is not None and k >= 0:
             self._copy_from_shm(k)  # while the point-to-point messages are in flight
         for w in works:
@@ -901,15 +958,19 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
             raise CoordinationError(f"read-once: rank {coord.rank} received a different plan than it sent")
         peers = [_peer(raw, r) for r, raw in enumerate(raws)]
         hosts, names, frees = [p[0] for p in peers], [p[1] for p in peers], [p[2] for p in peers]
+        lines, handles = (broadcast_groups(tensors, coord.rank, coord.world_size, coord.group)
+                          if derived and opts.read_once_broadcast else (set(), {}))
         for _ in range(3):  # a host without room for its readers' slots goes point to point; re-plan for that
             sched = build_schedule(meta, plans, opts.verify_checksums, opts.read_once_batch_bytes, hosts,
                                    [bool(n) for n in names])
+            mark_broadcasts(sched, lines, hosts)
             shm = shm_layout(sched, hosts, names, frees, presize)
             if shm.names == names:
                 break
             names = shm.names
         else:
             sched = build_schedule(meta, plans, opts.verify_checksums, opts.read_once_batch_bytes)
+            mark_broadcasts(sched, lines, hosts)
             shm = shm_layout(sched, hosts, [""] * len(names), frees, presize)
         sched.shm = shm
         sched.derived = derived
@@ -919,6 +980,13 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
             seg.close()  # nobody maps it
             seg = None
         ex = _Exchange(files, meta, pieces, coord, opts, sched, shm, seg)
+        for u in sched.units:
+            if u.bcast and any(n.rank == coord.rank for n in u.needs):
+                members = frozenset(n.rank for n in u.needs)
+                if members not in handles:  # DeviceMesh groups exist for every member: not expected
+                    raise CoordinationError(f"read-once: rank {coord.rank} has no process group for ranks "
+                                            f"{sorted(members)}; pass read_once_broadcast=False")
+                ex.bgroups[u.uid] = handles[members]
         ex.run()
     finally:
         if ex is not None:

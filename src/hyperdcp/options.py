@@ -41,9 +41,12 @@ class LoadOptions:
     #: read each stored byte once cluster-wide and send it to the ranks that need it (over the process
     #: group); False: every rank reads what it needs itself
     read_once: bool = True
-    #: bound, per rank, on bytes read and packed (and on bytes received) per read-once batch; about
-    #: twice this is in flight while the next batch is read during the current one's transfer
+    #: bound, per rank, on bytes read and packed (and on bytes received) per read-once batch; batches
+    #: are usually far smaller (about 1/32 of a reader's share), and up to three are in flight at once
     read_once_batch_bytes: int = 256 << 20
+    #: read-once: send a chunk that a whole mesh-dim group needs (replicas on other hosts) with one
+    #: broadcast in that group (the DeviceMesh's own process group) instead of one message per replica
+    read_once_broadcast: bool = True
     #: rename checkpoint keys before matching them to the state dict: ``key_map(name) -> new name``
     #: (None drops the key), e.g. to load HuggingFace names into a model with other names
     key_map: Callable[[str], str | None] | None = None

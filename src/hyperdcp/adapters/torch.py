@@ -118,13 +118,24 @@ def grid_layout(value: torch.Tensor, ctx) -> GridLayout | None:
         grid = lookup[glob] if glob.size else glob
         if grid.size and int(grid.min()) < 0:
             grid = None  # a mesh rank outside this coordinator's group
-        hit = cache[id(mesh)] = (weakref.ref(mesh), grid, GridLayout.digest_mesh(grid) if grid is not None else b"")
-    _, grid, key = hit
+        hit = cache[id(mesh)] = (weakref.ref(mesh), grid, GridLayout.digest_mesh(grid) if grid is not None else b"",
+                                 _dim_groups(mesh) if grid is not None else ())
+    _, grid, key, groups = hit
     if grid is None:
         return None
     nd = value.dim()
     placements = tuple(REPLICATE if isinstance(p, Replicate) else p.dim % max(nd, 1) for p in value.placements)
-    return GridLayout(grid, placements, key)
+    return GridLayout(grid, placements, key, groups)
+
+
+def _dim_groups(mesh) -> tuple:
+    """This rank's process group along each mesh dimension (created with the mesh; reused, never made here)."""
+    if mesh.get_coordinate() is None:
+        return ()
+    try:
+        return tuple(mesh.get_group(d) for d in range(mesh.ndim))
+    except (RuntimeError, ValueError, AttributeError):  # a mesh without per-dimension groups
+        return ()
 
 
 def _layout_cache(ctx) -> dict[int, Any]:

@@ -29,6 +29,9 @@ class GridLayout:
     mesh: np.ndarray
     placements: tuple[int, ...]
     mesh_key: bytes
+    #: this rank's communication group along each mesh dimension (opaque handles from the adapter,
+    #: e.g. a DeviceMesh's process groups), or () when unknown; not part of the layout's identity
+    groups: tuple = ()
 
     @staticmethod
     def digest_mesh(mesh: np.ndarray) -> bytes:
@@ -81,3 +84,13 @@ class GridLayout:
 def replicated_layout(world: int) -> GridLayout:
     """Every rank of a ``world``-rank group holds the whole tensor (plain tensors and arrays)."""
     return GridLayout.replicated(world)
+
+
+def mesh_lines(mesh: np.ndarray) -> list[frozenset[int]]:
+    """Every set of ranks that differ in one mesh coordinate only (the members of each dim's groups)."""
+    grid = np.asarray(mesh, dtype=np.int64)
+    out = []
+    for d in range(grid.ndim):
+        lines = np.moveaxis(grid, d, -1).reshape(-1, grid.shape[d])
+        out.extend(frozenset(line.tolist()) for line in lines)
+    return out
