@@ -707,7 +707,7 @@ class _Exchange:
             only_me = all(n.rank == self.me for n in u.needs)
             out = self._slot(self.me, k, u) if self.shm is not None and u.uid in self.shm.offset else None
             buf, direct = read_chunk(self.files, self.meta, read, self.opts.verify_checksums, direct_ok=only_me, out=out)
-            if not direct:
+            if not direct and out is None:  # from a slot, the main thread copies (see _copy_from_shm)
                 for p in own:
                     if p.dst is not None:
                         copy_piece(buf, read, self.meta, p)
@@ -784,7 +784,9 @@ class _Exchange:
 
         for u in self.sched.batches[k]:
             for n in u.needs:
-                if n.rank == self.me and self.shm.via(u, self.me):
+                # this rank's own pieces of the units it read into its slot, too: the reading thread
+                # goes on with the next batch meanwhile (batch k's slot is reused only after exchange k+1)
+                if n.rank == self.me and (self.shm.via(u, self.me) or (u.reader == self.me and u.uid in self.shm.offset)):
                     p = self._piece(u, n)
                     if p.dst is not None:
                         copy_piece(self._slot(u.reader, k, u), self._chunk_read(u, []), self.meta, p)
