@@ -2,8 +2,13 @@
 
 Flow (every rank runs the same steps; ranks that need nothing take part too):
 
-1. **Plans.** Each rank's pieces (tensor index, chunk index, box) are packed as int arrays
-   (:mod:`hyperdcp.coordination.wire`, no pickle) and exchanged with one ``all_gather``.
+1. **Plans.** Every rank needs every rank's pieces (tensor index, chunk index, box). When each of its
+   destination tensors has a :class:`~hyperdcp.core.layout.GridLayout` (a DTensor's mesh and
+   placements, or a tensor every rank holds whole) and the layout rule reproduces its own plan, a rank
+   sends only a digest of its layouts; if all digests agree every rank derives all plans itself
+   (:func:`derive_plans`), else the plans are packed as int arrays (:mod:`hyperdcp.coordination.wire`,
+   no pickle) and exchanged. Either way one ``all_gather`` of small records also carries the host
+   identity, the shared-memory segment name and any planning error (raised on every rank).
 2. **Schedule.** From all plans every rank computes the same global schedule: per stored chunk the
    ranks needing parts of it, cut into *units* (contiguous row-slabs of the chunk, sized so that each
    reader has about ``_ROUNDS`` batches of ``_UNITS_PER_ROUND`` units, never above the batch bound),
@@ -14,28 +19,27 @@ Flow (every rank runs the same steps; ranks that need nothing take part too):
 3. **Batches** are rounds: in each, every reader takes its next units in file order (sequential reads)
    up to its share; bytes packed to send and point-to-point receive buffers stay under
    ``read_once_batch_bytes`` per rank (pieces copied out of same-host shared memory need no receive
-   buffer). A background thread reads and verifies batch k+1 (its units in parallel threads) while
-   the main thread moves batch k.
-4. **Transfers** are point-to-point (``isend``/``irecv`` on the coordinator's gloo group; no group is
-   ever created). A piece that is contiguous in the stored chunk (a replica's whole shard, a row
-   slab) is sent straight out of the read buffer to every rank that needs it -- the same buffer fans
-   out to all replicas, with no copy -- and received straight into its destination memory when that
-   is contiguous and of the stored dtype. Other pieces (column slices of a reshard) are packed, one
-   flat message per pair of ranks and batch.
-
+   buffer). A background thread reads and verifies batches ahead (their units in parallel threads)
+   while the main thread moves the current one. After each batch one all-reduce of an error flag makes
+   a read or checksum error on one rank fail the load on every rank instead of leaving the others
+   waiting for its data (the error texts are gathered only then).
+4. **Transfers.** Same host: shared memory (below). A unit whose needers all want the same contiguous
+   bytes, form exactly one dim group of a DeviceMesh and sit on other hosts than the reader goes by one
+   ``broadcast`` in that mesh's own process group (:func:`mark_broadcasts`; decided from what every
+   rank knows, so all members issue the same broadcasts in the same order; no group is ever created).
+   The rest is point-to-point (``isend``/``irecv`` on the coordinator's gloo group): a piece that is
+   contiguous in the stored chunk is sent straight out of the read buffer to every rank that needs it
+   and received straight into its destination memory when that is contiguous and of the stored dtype;
+   other pieces (column slices of a reshard) are packed, one flat message per pair of ranks and batch.
 5. **Same host: shared memory.** Each rank sends its host identity (hostname, boot id and the device of
    ``/dev/shm``; ``HYPERDCP_HOST`` overrides it) and the name of a ``/dev/shm`` segment it created with
    its plan. When a unit's reader and some of its consumers share a host, the reader reads the unit
-   straight into its segment (three slots of about one batch, reused in turn) and those consumers copy
-   their pieces from it into their destination: one copy, no TCP. Pieces whose reader is on another
-   host still go point to point. The per-batch status exchange is the barrier: after exchange k every
-   reader's slot for batch k is complete; batch k+1 goes into the slot of batch k-2, which every
-   consumer finished copying before it entered exchange k-1, so a reader may fill it as soon as it is
-   past exchange k-1. Segments are unlinked as soon as every consumer has mapped them (after the
-   first exchange), else on error and at exit. ``HYPERDCP_READ_ONCE_SHM=0`` turns the path off.
-
-A per-batch status exchange makes a read or checksum error on one rank fail the load on every rank
-instead of leaving the others waiting for its data.
+   straight into its segment (three slots of about one batch, reused in turn) and every rank on that
+   host, the reader included, copies its pieces from it into its destination on its main thread: one
+   copy, no TCP. Batch k+1 goes into the slot of batch k-2, which every rank finished copying before it
+   entered exchange k-1; so a rank past exchange k may read up to batch k+2. Segments are unlinked as
+   soon as every consumer has mapped them (after the first exchange), else on error and at exit.
+   ``HYPERDCP_READ_ONCE_SHM=0`` turns the path off.
 """
 
 from __future__ import annotations
