@@ -291,3 +291,36 @@ def test_replicas_on_other_hosts_go_by_broadcast_in_mesh_groups(ckpt):
     n, bcast, units = res[0]["bcast"]
     assert 0 < bcast < units  # the sharded tensors' chunks; the replicated one stays in shared memory
     assert res[0]["p2p"][1] == 0
+
+
+def _fails_after_plan_exchange_on_rank_2(rank, world, path):
+    import time
+
+    import hyperdcp.exchange as ex
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if rank == 2:  # a local failure between the plan exchange and the first batch
+        def broken(*a, **k):
+            raise hyperdcp.CoordinationError("injected failure on rank 2")
+
+        ex._Exchange.__init__ = broken
+    state = make_state(init_device_mesh("cpu", (2, 2)), _hsdp, zeros=True)
+    t = time.monotonic()
+    try:
+        hyperdcp.load(state, path, read_once=True, timeout=60)
+    except hyperdcp.CheckpointError as e:
+        return type(e).__name__, str(e), time.monotonic() - t
+    return "loaded", "", time.monotonic() - t
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_error_on_one_rank_outside_a_batch_fails_all_promptly(ckpt, shm):
+    """The others meet the failing rank's error at their next check and do not wait for it again."""
+    out = run_ranks(4, _fails_after_plan_exchange_on_rank_2, ckpt, timeout=120, env={"HYPERDCP_READ_ONCE_SHM": shm})
+    assert out[2][0] == "CoordinationError" and "injected" in out[2][1], out[2]
+    for r in (0, 1, 3):
+        if shm == "1":  # rank 2 removed its segment on the way out: the others cannot map it, and say so
+            assert "cannot map the shared memory of rank 2" in out[r][1], out[r]
+        else:
+            assert out[r][0] == "RemoteRankError" and "rank(s) 2 " in out[r][1] and "injected" in out[r][1], out[r]
+    assert max(o[2] for o in out) < 30, out  # not the 60 s timeout

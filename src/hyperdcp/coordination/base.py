@@ -93,14 +93,28 @@ def raise_remote(statuses: Sequence[bytes], coord: Coordinator, what: str, local
     if not failed:
         return
     if local is not None:
-        raise local
+        raise _everywhere(local)
     first = min(failed)
     detail = failed[first].split("\n", 1)[-1]
     ranks = ", ".join(str(r) for r in sorted(failed)[:16]) + (" ..." if len(failed) > 16 else "")
-    raise RemoteRankError(
+    raise _everywhere(RemoteRankError(
         f"{what} failed on rank(s) {ranks} of {coord.world_size}; first error (rank {first}): {detail}",
         failed,
-    )
+    ))
+
+
+def _everywhere(exc: BaseException) -> BaseException:
+    """Mark an error that every rank raises at the same step: enclosing checks need not exchange it
+    again (a rank that already left could not answer, and the others would wait for it)."""
+    try:
+        exc._hyperdcp_everywhere = True  # type: ignore[attr-defined]
+    except AttributeError:
+        pass
+    return exc
+
+
+def raised_everywhere(exc: BaseException | None) -> bool:
+    return bool(getattr(exc, "_hyperdcp_everywhere", False))
 
 
 def check_all(coord: Coordinator, what: str, exc: BaseException | None) -> None:
@@ -108,6 +122,8 @@ def check_all(coord: Coordinator, what: str, exc: BaseException | None) -> None:
 
     The common case costs one one-flag collective; the error texts are exchanged only after a failure.
     """
+    if raised_everywhere(exc):
+        raise exc
     if coord.any_true(exc is not None):
         raise_remote(coord.all_gather(_status(exc)), coord, what, exc)
 
@@ -142,6 +158,8 @@ def all_gather_checked(coord: Coordinator, what: str, fn: Callable[[], bytes]) -
         payload = fn()
     except Exception as e:  # noqa: BLE001 - forwarded to every rank
         exc = e
+    if raised_everywhere(exc):
+        raise exc
     msgs = coord.all_gather(pack_status(payload, exc))
     raise_remote(msgs, coord, what, exc)
     return [m[1:] for m in msgs]
