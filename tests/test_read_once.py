@@ -319,8 +319,9 @@ def test_error_on_one_rank_outside_a_batch_fails_all_promptly(ckpt, shm):
     out = run_ranks(4, _fails_after_plan_exchange_on_rank_2, ckpt, timeout=120, env={"HYPERDCP_READ_ONCE_SHM": shm})
     assert out[2][0] == "CoordinationError" and "injected" in out[2][1], out[2]
     for r in (0, 1, 3):
-        if shm == "1":  # rank 2 removed its segment on the way out: the others cannot map it, and say so
-            assert "cannot map the shared memory of rank 2" in out[r][1], out[r]
-        else:
-            assert out[r][0] == "RemoteRankError" and "rank(s) 2 " in out[r][1] and "injected" in out[r][1], out[r]
+        remote = out[r][0] == "RemoteRankError" and "rank(s) 2 " in out[r][1] and "injected" in out[r][1]
+        # with shared memory, a rank that maps segments after rank 2 removed its own on the way out
+        # fails on that first, and says so (a race between the ranks: either outcome names rank 2)
+        unmapped = shm == "1" and "cannot map the shared memory of rank 2" in out[r][1]
+        assert remote or unmapped, out[r]
     assert max(o[2] for o in out) < 30, out  # not the 60 s timeout
