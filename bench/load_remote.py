@@ -227,14 +227,7 @@ def evict(dirs: list[str]) -> str:
     """Drop the checkpoints' files from the page cache (posix_fadvise DONTNEED): only our files, so
     other work on the machine keeps its cache (``bench/load.py`` drops every cache where permitted)."""
     os.sync()
-    for d in dirs:
-        for parent, _, names in os.walk(d):
-            for n in names:
-                fd = os.open(os.path.join(parent, n), os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+    base.evict_files(dirs)
     return "fadvise(DONTNEED) of the checkpoint files"
 
 
