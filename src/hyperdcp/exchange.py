@@ -405,14 +405,13 @@ def _head(raw: bytes) -> dict[str, Any]:
     return head if isinstance(head, dict) else {}
 
 
-def _layout_of(raw: bytes) -> str:
-    d = _head(raw).get("layout", "")
+def _layout_of(head: dict[str, Any]) -> str:
+    d = head.get("layout", "")
     return d if isinstance(d, str) else ""
 
 
-def _peer(raw: bytes, rank: int) -> tuple[str, str, int]:
+def _peer(head: dict[str, Any], rank: int) -> tuple[str, str, int]:
     """(host, segment name, free /dev/shm bytes) from a rank's plan header."""
-    head, _ = wire.unpack(raw)
     host, name, free = head.get("host"), head.get("shm", ""), head.get("shm_free", 0)
     if not isinstance(host, str) or not host:
         host = f"unknown-host-of-rank-{rank}"  # never shares memory
@@ -948,11 +947,12 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
         # one exchange of fixed-size records when the layouts agree everywhere, else of the plans
         err = _status(plan_error).decode("utf-8", "replace") if plan_error is not None else ""
         raws = coord.all_gather(encode_plan(meta, [] if digest else pieces, {**extra, "layout": digest, "err": err}))
-        errs = [_head(raw).get("err") or "" for raw in raws]
+        heads = [_head(raw) for raw in raws]  # parsed once: host, segment, digest, error
+        errs = [h.get("err") or "" for h in heads]
         if any(errs):
             raise_remote([e.encode("utf-8") if isinstance(e, str) and e else _status(None) for e in errs],
                          coord, plan_what, plan_error)
-        digests = {_layout_of(raw) for raw in raws}
+        digests = {_layout_of(h) for h in heads}
         derived = bool(digest) and digests == {digest}
         if derived:
             plans = derive_plans(meta, tensors, coord.world_size)
@@ -962,7 +962,7 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
             plans = [decode_plan(meta, raw, r) for r, raw in enumerate(raws)]
         if len(plans[coord.rank]) != len(pieces):
             raise CoordinationError(f"read-once: rank {coord.rank} received a different plan than it sent")
-        peers = [_peer(raw, r) for r, raw in enumerate(raws)]
+        peers = [_peer(h, r) for r, h in enumerate(heads)]
         hosts, names, frees = [p[0] for p in peers], [p[1] for p in peers], [p[2] for p in peers]
         lines, handles = (broadcast_groups(tensors, coord.rank, coord.world_size, coord.group)
                           if derived and opts.read_once_broadcast else (set(), {}))
