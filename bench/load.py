@@ -264,8 +264,8 @@ def floors(ckpt: str, dest_bytes: list[int], threads_per_rank: int = 4, piece: i
     return disk, time.perf_counter() - t
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_experiment_args(ap: argparse.ArgumentParser) -> None:
+    """The experiment's shape, shared with bench/load_remote.py."""
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--mesh", type=int, nargs=2, default=(4, 2))
     ap.add_argument("--mib", type=int, default=1024, help="total tensor MiB")
@@ -273,6 +273,19 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--batch-mib", type=int, default=256, help="read_once_batch_bytes in MiB")
     ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
+
+
+def set_rows(args: argparse.Namespace) -> None:
+    """Rows per matrix for ``--mib`` in ``--tensors`` float32 matrices, divisible by the shard count."""
+    assert args.mesh[0] * args.mesh[1] == args.ranks, "mesh must cover the ranks"
+    per = (args.mib << 20) // args.tensors
+    args.rows = per // (4 * args.cols)
+    args.rows -= args.rows % args.mesh[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_experiment_args(ap)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-read-once", action="store_true")
     ap.add_argument("--no-broadcast", action="store_true",
@@ -285,10 +298,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=3600)
     args = ap.parse_args()
-    assert args.mesh[0] * args.mesh[1] == args.ranks, "mesh must cover the ranks"
-    per = (args.mib << 20) // args.tensors
-    args.rows = per // (4 * args.cols)
-    args.rows -= args.rows % args.mesh[1]
+    set_rows(args)
     root = tempfile.mkdtemp(prefix="hyperdcp-bench-", dir=args.dir)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from tests.dist import run_ranks

@@ -295,29 +295,20 @@ def _rank(rank, world, args, root, base_url, log):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ranks", type=int, default=8)
-    ap.add_argument("--mesh", type=int, nargs=2, default=(4, 2))
-    ap.add_argument("--mib", type=int, default=1024, help="total tensor MiB")
-    ap.add_argument("--tensors", type=int, default=16)
-    ap.add_argument("--cols", type=int, default=4096)
-    ap.add_argument("--batch-mib", type=int, default=256, help="read_once_batch_bytes in MiB")
+    base.add_experiment_args(ap)
     ap.add_argument("--server", choices=("auto", "nginx", "python"), default="auto",
                     help=f"auto: nginx if {NGINX} exists, else the Python server")
     ap.add_argument("--workers", type=int, default=4, help="nginx worker processes")
     ap.add_argument("--no-torch-nocache", action="store_true",
                     help="skip the torch-nc row (FsspecReader with cache_type='none')")
-    ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=3600)
     args = ap.parse_args()
-    assert args.mesh[0] * args.mesh[1] == args.ranks, "mesh must cover the ranks"
+    base.set_rows(args)
     import importlib.util
 
     if importlib.util.find_spec("aiohttp") is None:
         sys.exit("bench/load_remote.py needs aiohttp for fsspec's HTTP file system: pip install aiohttp")
-    per = (args.mib << 20) // args.tensors
-    args.rows = per // (4 * args.cols)
-    args.rows -= args.rows % args.mesh[1]
     root = os.path.realpath(tempfile.mkdtemp(prefix="hyperdcp-bench-remote-", dir=args.dir))
     sys.path.insert(0, os.path.join(_HERE, ".."))
     from tests.dist import run_ranks
