@@ -85,6 +85,18 @@ def test_a_symlink_at_the_path_is_never_followed_or_replaced(tmp_path, overwrite
     assert os.path.islink(dangling) and not os.path.exists(tmp_path / "nowhere")
 
 
+def test_a_no_collectives_async_save_never_writes_through_a_symlink(tmp_path):
+    elsewhere = tmp_path / "precious"
+    hyperdcp.save(_state(1), str(elsewhere))
+    before = _tree(elsewhere)
+    link = tmp_path / "ckpt"
+    link.symlink_to(elsewhere, target_is_directory=True)
+    fut = hyperdcp.async_save(_state(2), str(link), coordination="none", overwrite=True)
+    with pytest.raises(hyperdcp.CheckpointError, match="symbolic link"):
+        fut.result(timeout=120)
+    assert _tree(elsewhere) == before
+
+
 def test_a_symlink_inside_the_checkpoint_blocks_the_overwrite(tmp_path):
     path = str(tmp_path / "step-1")
     hyperdcp.save(_state(1), path)
