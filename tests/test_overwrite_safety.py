@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import hyperdcp
-from hyperdcp.hf import hf_to_dcp
+from hyperdcp.hf import dcp_to_hf, hf_to_dcp
 from hyperdcp.storage.commit import NO_EXCHANGE_ENV
 from tests.faults.fuzz_campaign import sign
 
@@ -266,3 +266,15 @@ def test_a_data_file_name_ending_in_a_newline_is_rejected(tmp_path):
     open(os.path.join(path, "hyperdcp.json"), "wb").write(sign(doc))
     with pytest.raises(hyperdcp.FormatError, match="plain, unique file name"):
         hyperdcp.read_metadata(path)
+
+
+def test_an_hf_export_never_writes_through_a_symlink(tmp_path):
+    ckpt = str(tmp_path / "c")
+    hyperdcp.save(_state(1), ckpt)
+    elsewhere = tmp_path / "someone-elses-model"
+    elsewhere.mkdir()
+    (elsewhere / "model.safetensors").write_bytes(b"their weights")
+    (tmp_path / "export").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(hyperdcp.StorageError, match="symbolic link"):
+        dcp_to_hf(ckpt, str(tmp_path / "export"), overwrite=True)
+    assert (elsewhere / "model.safetensors").read_bytes() == b"their weights"

@@ -714,6 +714,9 @@ def dcp_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size:
 
 
 def _prepare_hf_dir(dst: str, overwrite: bool) -> None:
+    if os.path.islink(dst):
+        raise StorageError(f"cannot write to {dst!r}: it is a symbolic link; hyperdcp never writes through a link: "
+                           "pass the directory it points to")
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise StorageError(f"cannot write to {dst!r}: it is an existing file; choose a directory path")
     os.makedirs(dst, exist_ok=True)
