@@ -135,6 +135,11 @@ def recover_interrupted_overwrite(path: str, wait: float = 2.0) -> bool:
         ) from None
     try:
         return target._recover()
+    except OSError as e:
+        raise StorageError(
+            f"cannot restore the checkpoint set aside by an interrupted overwrite of {path!r} ({olds[0]!r}): "
+            f"{e.strerror or e}; rename that directory back to {path!r}"
+        ) from e
     finally:
         target.release()
 
