@@ -278,3 +278,30 @@ def test_an_hf_export_never_writes_through_a_symlink(tmp_path):
     with pytest.raises(hyperdcp.StorageError, match="symbolic link"):
         dcp_to_hf(ckpt, str(tmp_path / "export"), overwrite=True)
     assert (elsewhere / "model.safetensors").read_bytes() == b"their weights"
+
+
+# -- on several ranks ------------------------------------------------------------------------------
+def _two_rank_overwrites(rank, world, root):
+    stray = os.path.join(root, "foreign")
+    try:
+        hyperdcp.save(_state(1), stray, overwrite=True)
+        refused = "no error"
+    except hyperdcp.CheckpointError as e:
+        refused = f"{type(e).__name__}: {e}"
+    path = os.path.join(root, "step-1")
+    hyperdcp.save(_state(1), path)
+    hyperdcp.save(_state(2), path, overwrite=True)  # through the two-rename fallback (env below)
+    return refused, _same(_loaded(path), _state(2))
+
+
+def test_a_refused_overwrite_fails_every_rank_and_the_fallback_commits_on_two_ranks(tmp_path):
+    from tests.dist import run_ranks
+
+    os.mkdir(tmp_path / "foreign")
+    (tmp_path / "foreign" / "notes.txt").write_text("keep")
+    out = run_ranks(2, _two_rank_overwrites, str(tmp_path), timeout=90, env={NO_EXCHANGE_ENV: "1"})
+    for rank, (refused, ok) in enumerate(out):
+        assert "notes.txt" in refused, (rank, refused)
+        assert ok, f"rank {rank} loads the overwritten checkpoint"
+    assert (tmp_path / "foreign" / "notes.txt").read_text() == "keep"
+    assert sorted(os.listdir(tmp_path)) == ["foreign", "step-1"]
