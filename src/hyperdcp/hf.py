@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -344,20 +344,39 @@ class ByteBudget:
 
 
 class Progress:
-    """A thread-safe tqdm byte counter, disabled when quiet or stderr is not a terminal."""
+    """A thread-safe byte counter: a tqdm bar on a terminal (unless quiet), else, when the ``hyperdcp``
+    logger is enabled for INFO, a log line every 10% of the work or 10 seconds."""
 
     def __init__(self, total: int, desc: str, quiet: bool = False):
+        from .logs import logger
+
         self._lock = threading.Lock()
         self._bar = None
+        self._total, self._desc, self._done = total, desc, 0
+        self._log = None
         if not quiet and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
+        elif logger.isEnabledFor(20):  # logging.INFO
+            self._log = logger
+            self._t0 = self._last_t = time.monotonic()
+            self._last_done = 0
 
     def update(self, n: int) -> None:
         if self._bar is not None:
             with self._lock:
                 self._bar.update(n)
+        elif self._log is not None:
+            with self._lock:
+                self._done += n
+                now = time.monotonic()
+                if (self._done - self._last_done) * 10 < self._total and now - self._last_t < 10:
+                    return
+                self._last_done, self._last_t = self._done, now
+                done, total, secs = self._done, self._total, now - self._t0
+            self._log.info("%s: %.1f%% (%.3f of %.3f GB, %.2f GB/s)", self._desc, 100 * done / max(total, 1),
+                           done / 1e9, total / 1e9, done / 1e9 / max(secs, 1e-9))
 
     def close(self) -> None:
         if self._bar is not None:
@@ -393,6 +412,7 @@ class ConvertResult:
     files: list[str]
     seconds: float
     skipped_values: list[str] = field(default_factory=list)
+    tensor_names: list[str] = field(default_factory=list, repr=False)
 
     @property
     def gb_per_s(self) -> float:
@@ -455,7 +475,7 @@ def hf_to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool
                 for n, s in zip(names, starts):
                     jobs.append((len(fds) - 1, len(out_files), len(header) + s, n))
                 out_files.append(FileMeta(out_name, total))
-            progress = Progress(sum(meta.tensors[j[3]].nbytes for j in jobs), "hf -> dcp", quiet)
+            progress = Progress(sum(meta.tensors[j[3]].nbytes for j in jobs), "hf -> hyperdcp", quiet)
             local = threading.local()
             sums: dict[str, str] = {}
 
@@ -539,14 +559,66 @@ def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     return [s for s in shards if s] or [[]]
 
 
+def select_keys(meta: Metadata, include: Sequence[str] = (), exclude: Sequence[str] = (),
+                strip_prefix: str | None = None, where: str = "the checkpoint") -> tuple[Metadata, dict[str, str]]:
+    """The keys of ``meta`` that start with one of ``include`` (all when empty) and with none of
+    ``exclude``, with ``strip_prefix`` removed from those that start with it (plain string prefixes:
+    ``"model."`` selects ``model.w`` but not ``model_ema.w``): the renamed metadata and a map from each
+    new tensor name to its name in ``meta`` (read data through ``meta`` and the old names)."""
+    include, exclude = tuple(include or ()), tuple(exclude or ())
+    if not include and not exclude and not strip_prefix:
+        return meta, {k: k for k in meta.tensors}
+    origin: dict[str, str] = {}
+
+    def key_map(k: str) -> str | None:
+        new = _select(k)
+        if new is not None and k in meta.tensors:
+            origin[new] = k
+        return new
+
+    def _select(k: str) -> str | None:
+        if (include and not k.startswith(include)) or (exclude and k.startswith(exclude)):
+            return None
+        if strip_prefix and k.startswith(strip_prefix):
+            if k == strip_prefix:
+                raise MismatchError(f"stripping the prefix {strip_prefix!r} from key {k!r} of {where} leaves nothing; "
+                                    "exclude that key or strip a shorter prefix")
+            return k[len(strip_prefix):]
+        return k
+
+    out = rename_keys(meta, key_map)
+    if not out.tensors and meta.tensors:
+        tops = sorted({k.split(".", 1)[0] + ("." if "." in k else "") for k in meta.keys()})
+        raise MismatchError(
+            f"no tensor of {where} is selected by include={list(include)} exclude={list(exclude)}; its keys start "
+            f"with {tops[:10]}{' ...' if len(tops) > 10 else ''} (prefixes are matched as plain strings)"
+        )
+    return out, origin
+
+
+def _check_utf8_names(meta: Metadata, src: str) -> None:
+    for k in meta.tensors:
+        try:
+            k.encode("utf-8")
+        except UnicodeEncodeError:
+            raise FormatError(
+                f"{src!r}: tensor name {k!r} is not valid Unicode (it holds a lone surrogate), which safetensors "
+                "cannot store; leave it out with exclude=/--exclude, or rename it with hyperdcp.load(key_map=...)"
+            ) from None
+
+
 def dcp_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size: int | str = "5GB",
               dtype: str | None = None, values_file: str | None = None, overwrite: bool = False,
-              threads: int = 4, budget_bytes: int = 256 << 20, quiet: bool = True) -> ConvertResult:
+              threads: int = 4, budget_bytes: int = 256 << 20, quiet: bool = True, include: Sequence[str] = (),
+              exclude: Sequence[str] = (), strip_prefix: str | None = None) -> ConvertResult:
     """Convert a hyperdcp checkpoint (or any source) into HF safetensors shards plus an index.
 
-    Tensor names are kept; non-tensor values are skipped (listed in the result) or written as tagged
-    JSON to ``values_file``. ``dtype`` casts floating tensors (bf16/f16/f32/f64). Memory: about the
-    largest tensor plus ``budget_bytes`` (tensors in flight across ``threads`` threads).
+    Tensor names are kept, unless ``include``/``exclude`` (key prefixes) select some of them and
+    ``strip_prefix`` removes a leading prefix: ``include=["model."], strip_prefix="model."`` exports
+    exactly the model weights of a ``get_state_dict(model, optimizer)`` checkpoint. Non-tensor values
+    are skipped (listed in the result) or written as tagged JSON to ``values_file``. ``dtype`` casts
+    floating tensors (bf16/f16/f32/f64). Memory: about the largest tensor plus ``budget_bytes``
+    (tensors in flight across ``threads`` threads).
     """
     from .format import values as values_codec
     from .planning.load_plan import TensorIndex
@@ -554,7 +626,9 @@ def dcp_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size:
 
     t0 = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
-    meta = open_metadata(src)
+    src_meta = open_metadata(src)
+    meta, origin = select_keys(src_meta, include, exclude, strip_prefix, where=repr(src))
+    _check_utf8_names(meta, src)
     cast = parse_dtype(dtype) if dtype else None
     limit = parse_size(max_shard_size)
     out_code = {n: (cast if cast and t.dtype in FLOAT_CODES else t.dtype) for n, t in meta.tensors.items()}
@@ -569,8 +643,8 @@ def dcp_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size:
     _prepare_hf_dir(dst, overwrite)
     hf_meta = meta.user.get("hf_metadata") if isinstance(meta.user.get("hf_metadata"), dict) else None
     hf_meta = {str(k): str(v) for k, v in (hf_meta or {"format": "pt"}).items()}
-    files = DataFiles(data_root(meta, src), meta)
-    index = TensorIndex(meta)
+    files = DataFiles(data_root(src_meta, src), src_meta)  # data is read under the stored names
+    index = TensorIndex(src_meta)
     token = secrets.token_hex(4)
     partial = [os.path.join(dst, f".{nm}.{token}.partial") for nm in names]
     fds: list[int] = []
@@ -589,7 +663,7 @@ def dcp_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size:
             os.ftruncate(fd, len(header) + sum(out_bytes[nm] for nm in shard))
             jobs.extend((si, len(header) + s, nm) for nm, s in zip(shard, starts))
         total = sum(out_bytes.values())
-        progress = Progress(total, "dcp -> hf", quiet)
+        progress = Progress(total, "hyperdcp -> hf", quiet)
         budget = ByteBudget(budget_bytes)
 
         def one(job) -> None:
@@ -598,7 +672,7 @@ def dcp_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size:
             need = t.nbytes + (out_bytes[nm] if out_code[nm] != t.dtype else 0)
             budget.acquire(need)
             try:
-                buf = read_box(files, meta, nm, full_box(t.shape), index=index)
+                buf = read_box(files, src_meta, origin[nm], full_box(t.shape), index=index)
                 if out_code[nm] != t.dtype and buf.size:
                     arr = buf.view(dtypes.to_numpy(t.dtype)).astype(dtypes.to_numpy(out_code[nm]))
                     buf = arr.reshape(-1).view(np.uint8)
@@ -636,10 +710,13 @@ def dcp_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size:
             os.close(fd)
         files.close()
     return ConvertResult(src, os.path.abspath(dst), len(meta.tensors), total, names, time.perf_counter() - t0,
-                         skipped_values=[] if values_file else skipped)
+                         skipped_values=[] if values_file else skipped, tensor_names=sorted(meta.tensors))
 
 
 def _prepare_hf_dir(dst: str, overwrite: bool) -> None:
+    if os.path.islink(dst):
+        raise StorageError(f"cannot write to {dst!r}: it is a symbolic link; hyperdcp never writes through a link: "
+                           "pass the directory it points to")
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise StorageError(f"cannot write to {dst!r}: it is an existing file; choose a directory path")
     os.makedirs(dst, exist_ok=True)
@@ -664,3 +741,8 @@ def _write_small(path: str, data: bytes) -> None:
         os.rename(tmp, path)
     except OSError as e:
         raise StorageError(f"writing {path} failed: {e.strerror or e}") from e
+
+
+#: the format is called hyperdcp in the CLI (``convert hf-to-hyperdcp``); the dcp names stay as aliases
+hf_to_hyperdcp = hf_to_dcp
+hyperdcp_to_hf = dcp_to_hf

@@ -46,6 +46,15 @@ class LoadResult:
     seconds: float = 0.0
     metadata: Metadata | None = None
 
+    def __repr__(self) -> str:
+        return (f"LoadResult(path={self.path!r}, bytes_read={self.bytes_read}, seconds={self.seconds:.3f}, "
+                f"missing_keys={_short(self.missing_keys)}, unused_keys={_short(self.unused_keys)})")
+
+
+def _short(keys: list[str], n: int = 3) -> str:
+    """A key list for a repr: its first few keys and how many there are."""
+    return f"[{', '.join(map(repr, keys[:n]))}{', ...' if len(keys) > n else ''}] ({len(keys)})"
+
 
 def fetch_metadata(coord: Coordinator, path: str) -> Metadata:
     """Rank 0 reads the commit record, every rank validates it; errors raise on every rank.
@@ -216,7 +225,7 @@ def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> L
         run_checked(coord, f"loading {path!r}", do_reads)
     finally:
         files.close()
-    return LoadResult(
+    result = LoadResult(
         path=os.fspath(path),
         missing_keys=targets.missing,
         unused_keys=sorted(k for k in meta.keys() if k not in targets.used),
@@ -224,3 +233,7 @@ def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> L
         seconds=time.perf_counter() - t0,
         metadata=meta,
     )
+    from .logs import log_load
+
+    log_load(result, targets.pieces, meta)
+    return result

@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import re
 
-from .errors import CheckpointError, CheckpointNotFoundError
-from .storage.commit import load_metadata
+from .errors import CheckpointError, CheckpointNotFoundError, FormatError
+from .storage.commit import load_metadata, recover_under, torch_dcp_message
 
 _NUM = re.compile(r"(\d+)(?!.*\d)")
 
@@ -25,7 +25,10 @@ def list_checkpoints(root: str | os.PathLike) -> list[str]:
     root = os.fspath(root)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"{root!r} is not a directory; pass the directory that holds the checkpoints")
-    found = []
+    if torch_dcp_message(root):
+        raise FormatError(torch_dcp_message(root) + "; latest_checkpoint takes the directory holding the checkpoints")
+    recover_under(root)  # overwrites killed between their two renames (file systems without RENAME_EXCHANGE)
+    found, torch_dcp = [], []
     for name in os.listdir(root):
         if name.startswith("."):  # temporary, old and lock entries of in-flight or interrupted saves
             continue
@@ -35,15 +38,28 @@ def list_checkpoints(root: str | os.PathLike) -> list[str]:
         try:
             meta = load_metadata(p)
         except CheckpointError:
+            if torch_dcp_message(p):
+                torch_dcp.append(name)
             continue
         m = _NUM.search(name)
         found.append((int(m.group(1)) if m else -1, meta.created_unix, name, p))
+    if torch_dcp and not found:
+        shown = ", ".join(sorted(torch_dcp)[:5]) + (" ..." if len(torch_dcp) > 5 else "")
+        raise FormatError(
+            f"{root!r} holds no hyperdcp checkpoint but {len(torch_dcp)} torch.distributed.checkpoint (torch DCP) "
+            f"checkpoint(s) ({shown}); hyperdcp cannot load torch DCP checkpoints yet: load them with "
+            "torch.distributed.checkpoint and save again with hyperdcp.save (or wait for the torch-dcp source)"
+        )
     found.sort()
     return [p for *_, p in found]
 
 
 def latest_checkpoint(root: str | os.PathLike) -> str | None:
-    """The newest complete checkpoint directly under ``root``, or None when there is none."""
+    """The newest complete checkpoint directly under ``root``, or None when there is none.
+
+    Raises :class:`~hyperdcp.FormatError` when ``root`` is itself a torch DCP checkpoint, or holds torch DCP
+    checkpoints and no hyperdcp one (hyperdcp cannot load those yet; None would silently start afresh).
+    """
     cps = list_checkpoints(root)
     return cps[-1] if cps else None
 

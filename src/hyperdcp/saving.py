@@ -82,6 +82,11 @@ class SaveResult:
             self._metadata = load_metadata(self.path)
         return self._metadata
 
+    def __repr__(self) -> str:
+        return (f"SaveResult(path={self.path!r}, rank={self.rank}, world_size={self.world_size}, "
+                f"bytes_written={self.bytes_written}, files_written={len(self.files_written)}, "
+                f"plan_cache_hit={self.plan_cache_hit}, seconds={self.seconds:.3f})")
+
 
 def _write_assigned(tmp: str, rank: int, staged: StagedState, assignment: np.ndarray, opts: SaveOptions) -> bytes:
     """Write this rank's assigned chunks into 1..files_per_rank data files; return the result message."""
@@ -236,7 +241,7 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
         if target is not None:
             target.release()
     mine = wire.unpack(result)[0]["files"] if result else []
-    return SaveResult(
+    result = SaveResult(
         path=os.path.abspath(os.fspath(path)),
         rank=rank,
         world_size=W,
@@ -246,3 +251,7 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
         seconds=time.perf_counter() - t0,
         _metadata=meta,
     )
+    from .logs import log_save
+
+    log_save(result)  # in a persist process (async saves) this logs nowhere: the SaveFuture logs instead
+    return result

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import threading
-from typing import Callable
+import concurrent.futures
 
 from ..errors import CheckpointError, CoordinationError
 from ..saving import SaveResult
@@ -39,15 +38,20 @@ class RemoteTraceback(Exception):
         return "\n\"\"\"\n" + self.tb + "\"\"\""
 
 
-class SaveFuture:
-    """The result of one async save on this rank.
+class SaveFuture(concurrent.futures.Future):
+    """The result of one async save on this rank: a :class:`concurrent.futures.Future`.
 
     ``result()`` returns the :class:`~hyperdcp.SaveResult` once the checkpoint is committed on every
     rank, or raises the save's error (the same error on every rank: the failing rank's own exception,
-    the others a :class:`~hyperdcp.RemoteRankError` naming it).
+    the others a :class:`~hyperdcp.RemoteRankError` naming it). ``result(timeout)`` and
+    ``exception(timeout)`` raise :class:`AsyncSaveTimeoutError` (a ``TimeoutError``) when it is not done
+    yet; the save goes on. A save cannot be cancelled (``cancel()`` returns False): it is running from
+    the moment ``async_save`` returns.
     """
 
     def __init__(self, path: str, rank: int, seq: int, blocking_seconds: float, first_call: bool):
+        super().__init__()
+        self.set_running_or_notify_cancel()  # running from the start: cancel() returns False
         self.path = path
         self.rank = rank
         self.seq = seq
@@ -56,52 +60,45 @@ class SaveFuture:
         self.first_call = first_call
         #: pid of the persist process handling the save (for diagnostics)
         self.worker_pid: int | None = None
-        self._event = threading.Event()
-        self._result: SaveResult | None = None
-        self._exc: BaseException | None = None
-        self._callbacks: list[Callable[["SaveFuture"], None]] = []
-        self._lock = threading.Lock()
 
-    def done(self) -> bool:
-        return self._event.is_set()
+    @property
+    def _exc(self) -> BaseException | None:
+        """The save's error once done (None while pending or after success)."""
+        return self._exception
 
     def wait(self, timeout: float | None = None) -> bool:
-        return self._event.wait(timeout)
+        """Wait until the save is done; True when it is."""
+        done, _ = concurrent.futures.wait([self], timeout)
+        return bool(done)
 
     def result(self, timeout: float | None = None) -> SaveResult:
-        if not self._event.wait(timeout):
+        try:
+            return super().result(timeout)
+        except concurrent.futures.TimeoutError:
+            if self.done():  # the save itself raised a TimeoutError
+                raise
             raise AsyncSaveTimeoutError(
                 f"the async save to {self.path!r} (rank {self.rank}) is not finished after {timeout}s; it goes on in "
                 "the background: call result() again, or raise the timeout"
-            )
-        if self._exc is not None:
-            raise self._exc
-        assert self._result is not None
-        return self._result
+            ) from None
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self._event.wait(timeout):
-            raise AsyncSaveTimeoutError(f"the async save to {self.path!r} is not finished after {timeout}s")
-        return self._exc
-
-    def add_done_callback(self, fn: Callable[["SaveFuture"], None]) -> None:
-        with self._lock:
-            if not self._event.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self)
+        try:
+            return super().exception(timeout)
+        except concurrent.futures.TimeoutError:
+            raise AsyncSaveTimeoutError(
+                f"the async save to {self.path!r} (rank {self.rank}) is not finished after {timeout}s"
+            ) from None
 
     def _finish(self, result: SaveResult | None, exc: BaseException | None) -> None:
-        with self._lock:
-            self._result, self._exc = result, exc
-            self._event.set()
-            cbs, self._callbacks = self._callbacks, []
-        for cb in cbs:
-            try:
-                cb(self)
-            except Exception:  # noqa: BLE001 - a callback's error must not break the save machinery
-                pass
+        if exc is not None:
+            self.set_exception(exc)
+        else:
+            from ..logs import log_save
+
+            log_save(result, asynchronous=True)
+            self.set_result(result)
 
     def __repr__(self) -> str:
-        state = "pending" if not self.done() else ("failed" if self._exc else "committed")
+        state = "pending" if not self.done() else ("failed" if self._exception else "committed")
         return f"<SaveFuture {self.path!r} rank {self.rank} {state}>"

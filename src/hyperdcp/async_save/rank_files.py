@@ -38,6 +38,9 @@ def persist_alone(path: str, rank: int, world_size: int, staged: StagedState, mi
     t0 = time.perf_counter()
     path = os.path.abspath(path)
     mine_file = rank_file(path, rank)
+    if os.path.islink(path):
+        raise StorageError(f"rank {rank}: cannot save to {path!r}: it is a symbolic link; hyperdcp never writes through "
+                           "or replaces a link: save to the directory it points to")
     if os.path.exists(path) and not os.path.isdir(path):
         raise StorageError(f"cannot save to {path!r}: it is an existing file; choose a directory path")
     os.makedirs(path, exist_ok=True)

@@ -1,27 +1,47 @@
-"""``hyperdcp convert hf-to-dcp SRC DST`` and ``hyperdcp convert dcp-to-hf SRC DST``: streaming conversions."""
+"""``hyperdcp convert hf-to-hyperdcp SRC DST`` and ``hyperdcp convert hyperdcp-to-hf SRC DST``: streaming
+conversions between HuggingFace safetensors and hyperdcp's own checkpoint format (not torch DCP).
+
+``hf-to-dcp`` and ``dcp-to-hf`` are kept as aliases of the two directions.
+"""
 
 from __future__ import annotations
 
 import sys
+
+#: direction -> its old spelling, kept as an alias
+DIRECTIONS = {"hf-to-hyperdcp": "hf-to-dcp", "hyperdcp-to-hf": "dcp-to-hf"}
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "convert", help="convert between HuggingFace safetensors and hyperdcp checkpoints (streaming)",
         description="Convert checkpoints tensor by tensor with bounded memory and parallel I/O. Tensor bytes "
-        "are copied bit for bit (unless --dtype casts them).",
+        "are copied bit for bit (unless --dtype casts them). 'hyperdcp' is this library's checkpoint format "
+        "(a directory with hyperdcp.json), not torch.distributed.checkpoint.",
     )
     sub = p.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
-    a = sub.add_parser("hf-to-dcp", help="HF model directory or .safetensors file -> hyperdcp checkpoint")
+    a = sub.add_parser("hf-to-hyperdcp", aliases=["hf-to-dcp"],
+                       help="HF model directory or .safetensors file -> hyperdcp checkpoint")
     a.add_argument("src", metavar="SRC", help="HF model directory (model.safetensors or sharded with an index) or a .safetensors file")
     a.add_argument("dst", metavar="DST", help="hyperdcp checkpoint directory to create")
-    b = sub.add_parser("dcp-to-hf", help="hyperdcp checkpoint -> HF safetensors shards + model.safetensors.index.json")
+    b = sub.add_parser("hyperdcp-to-hf", aliases=["dcp-to-hf"],
+                       help="hyperdcp checkpoint -> HF safetensors shards + model.safetensors.index.json",
+                       description="Export a hyperdcp checkpoint as HF safetensors. A checkpoint of "
+                       "get_state_dict(model, optimizer) holds the optimizer state too and prefixes the weights "
+                       "with 'model.': pass --include model. --strip-prefix model. to export exactly the model's "
+                       "weights.")
     b.add_argument("src", metavar="SRC", help="hyperdcp checkpoint directory")
     b.add_argument("dst", metavar="DST", help="output directory")
     b.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB; e.g. 500MB, 2GiB)")
     b.add_argument("--dtype", default=None, help="cast floating tensors to bf16, f16, f32 or f64")
     b.add_argument("--values-file", default=None, metavar="PATH",
                    help="write the checkpoint's non-tensor values to this JSON file (otherwise they are listed and skipped)")
+    b.add_argument("--include", action="append", default=[], metavar="PREFIX",
+                   help="export only keys starting with PREFIX (repeatable; plain string prefix, e.g. 'model.')")
+    b.add_argument("--exclude", action="append", default=[], metavar="PREFIX",
+                   help="leave out keys starting with PREFIX (repeatable; applied after --include)")
+    b.add_argument("--strip-prefix", default=None, metavar="PREFIX",
+                   help="remove PREFIX from the start of the exported names (e.g. 'model.')")
     for x in (a, b):
         x.add_argument("--overwrite", action="store_true", help="replace an existing destination")
         x.add_argument("--threads", type=int, default=4, help="parallel I/O threads (default 4)")
@@ -29,11 +49,18 @@ def register(subparsers) -> None:
         x.set_defaults(func=run)
 
 
+def _top_prefixes(names) -> list[str]:
+    return sorted({n.split(".", 1)[0] + "." for n in names if "." in n})
+
+
 def run(args) -> int:
     from .. import hf
+    from ._text import safe
 
+    direction = {old: new for new, old in DIRECTIONS.items()}.get(args.direction, args.direction)
     threads = max(1, args.threads)
-    if args.direction == "hf-to-dcp":
+    hint = ""
+    if direction == "hf-to-hyperdcp":
         r = hf.hf_to_dcp(args.src, args.dst, overwrite=args.overwrite, threads=threads, quiet=args.quiet)
     else:
         try:
@@ -44,14 +71,19 @@ def run(args) -> int:
             print(f"hyperdcp convert: error: {e}", file=sys.stderr)
             return 2
         r = hf.dcp_to_hf(args.src, args.dst, max_shard_size=size, dtype=args.dtype, values_file=args.values_file,
-                         overwrite=args.overwrite, threads=threads, quiet=args.quiet)
+                         overwrite=args.overwrite, threads=threads, quiet=args.quiet, include=args.include,
+                         exclude=args.exclude, strip_prefix=args.strip_prefix)
         if r.skipped_values:
-            shown = ", ".join(r.skipped_values[:10]) + (" ..." if len(r.skipped_values) > 10 else "")
+            shown = ", ".join(safe(v) for v in r.skipped_values[:10]) + (" ..." if len(r.skipped_values) > 10 else "")
             print(f"skipped {len(r.skipped_values)} non-tensor value(s) (pass --values-file to keep them): {shown}",
                   file=sys.stderr)
         elif args.values_file:
-            print(f"non-tensor values written to {args.values_file}", file=sys.stderr)
+            print(f"non-tensor values written to {safe(args.values_file)}", file=sys.stderr)
+        tops = _top_prefixes(r.tensor_names) if not (args.include or args.exclude or args.strip_prefix) else []
+        if len(tops) > 1:
+            hint = (f"; the names start with {', '.join(safe(t) for t in tops[:5])}: to export only the model's weights "
+                    f"pass e.g. --include {safe(tops[0])} --strip-prefix {safe(tops[0])}")
     if not args.quiet:
-        print(f"{args.direction}: {r.tensors} tensors, {r.tensor_bytes / 1e9:.3f} GB in {r.seconds:.2f} s "
-              f"({r.gb_per_s:.2f} GB/s) -> {r.dst} ({len(r.files)} file{'s' if len(r.files) != 1 else ''})")
+        print(f"{direction}: {r.tensors} tensors, {r.tensor_bytes / 1e9:.3f} GB in {r.seconds:.2f} s "
+              f"({r.gb_per_s:.2f} GB/s) -> {safe(r.dst)} ({len(r.files)} file{'s' if len(r.files) != 1 else ''}){hint}")
     return 0

@@ -155,11 +155,12 @@ def _same_value(x: Any, y: Any) -> bool:
 
 def run(args) -> int:
     from ..errors import CheckpointError
+    from ._text import safe, safe_lines
 
     try:
         rep = diff_sources(args.a, args.b, args.atol, args.rtol, max(1, args.slab_bytes))
     except CheckpointError as e:
-        print(f"hyperdcp diff: error: {e}", file=sys.stderr)
+        print(f"hyperdcp diff: error: {safe_lines(e)}", file=sys.stderr)
         return 2
     if args.json:
         doc = asdict(rep)
@@ -169,21 +170,21 @@ def run(args) -> int:
         return 0 if rep.equal else 1
     out = []
     for k in rep.only_a:
-        out.append(f"only in A: {k}")
+        out.append(f"only in A: {safe(k)}")
     for k in rep.only_b:
-        out.append(f"only in B: {k}")
+        out.append(f"only in B: {safe(k)}")
     for k in rep.kind:
-        out.append(f"kind differs: {k} (a tensor in one, a plain value in the other)")
+        out.append(f"kind differs: {safe(k)} (a tensor in one, a plain value in the other)")
     for k, sa, sb in rep.shape:
-        out.append(f"shape differs: {k}: {sa} vs {sb}")
+        out.append(f"shape differs: {safe(k)}: {sa} vs {sb}")
     for k, da, db in rep.dtype:
-        out.append(f"dtype differs: {k}: {da} vs {db}")
+        out.append(f"dtype differs: {safe(k)}: {da} vs {db}")
     for v in rep.values:
         verdict = "values differ" if v.beyond else "within tolerance"
-        out.append(f"{verdict}: {v.name}: max abs err {v.max_abs:.6g}, max rel err {v.max_rel:.6g}, "
+        out.append(f"{verdict}: {safe(v.name)}: max abs err {v.max_abs:.6g}, max rel err {v.max_rel:.6g}, "
                    f"{v.beyond} of {v.numel} elements beyond tolerance")
     for k in rep.plain:
-        out.append(f"value differs: {k}")
+        out.append(f"value differs: {safe(k)}")
     summary = (f"{rep.tensors_compared} tensors compared ({rep.bytes_compared / 1e9:.3f} GB read), "
                f"atol={args.atol:g} rtol={args.rtol:g}")
     out.append(("EQUAL: " if rep.equal else "DIFFERENT: ") + summary)

@@ -58,14 +58,16 @@ def _files_cell(files: list[str]) -> str:
 
 
 def run(args) -> int:
+    from ._text import safe
+
     rep = describe(args.path)
     if args.json:
         json.dump(rep, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
     head = ("tensor", "dtype", "shape", "chunks", "bytes", "files")
-    rows = [(t["name"], t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]", str(t["chunks"]), str(t["bytes"]),
-             _files_cell(t["files"])) for t in rep["tensors"]]
+    rows = [(safe(t["name"]), t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]", str(t["chunks"]), str(t["bytes"]),
+             safe(_files_cell(t["files"]))) for t in rep["tensors"]]
     w = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(head)]
     right = {3, 4}
     fmt = lambda r: "  ".join(c.rjust(w[i]) if i in right else c.ljust(w[i]) for i, c in enumerate(r)).rstrip()  # noqa: E731
@@ -81,7 +83,7 @@ def run(args) -> int:
                f"{tot['chunks']} chunks in {tot['files']} file(s) of {_human(tot['file_bytes'])}; "
                f"{tot['values']} non-tensor value(s)")
     if rep["values"]:
-        shown = ", ".join(rep["values"][:20]) + (" ..." if len(rep["values"]) > 20 else "")
+        shown = ", ".join(safe(v) for v in rep["values"][:20]) + (" ..." if len(rep["values"]) > 20 else "")
         out.append(f"values: {shown}")
     print("\n".join(out))
     return 0

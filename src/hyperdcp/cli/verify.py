@@ -21,15 +21,17 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from ..verify import verify_checkpoint
 
+    from ._text import safe
+
     rep = verify_checkpoint(args.path, threads=max(1, args.threads))
     for msg in rep.file_errors:
-        print(f"BAD FILE  {msg}")
+        print(f"BAD FILE  {safe(msg)}")
     for b in rep.bad_chunks[: args.max_report]:
-        print(f"BAD CHUNK {b}")
+        print(f"BAD CHUNK {safe(b)}")
     if len(rep.bad_chunks) > args.max_report:
         print(f"... and {len(rep.bad_chunks) - args.max_report} more bad chunks")
     print(
-        f"{'OK' if rep.ok else 'FAILED'}: {rep.path}: {rep.files} files, {rep.chunks} chunks, "
+        f"{'OK' if rep.ok else 'FAILED'}: {safe(rep.path)}: {rep.files} files, {rep.chunks} chunks, "
         f"{rep.bytes_checked / 1e9:.3f} GB checked in {rep.seconds:.3f} s ({rep.gb_per_s:.2f} GB/s, "
         f"{args.threads} threads); {len(rep.file_errors)} bad files, {len(rep.bad_chunks)} bad chunks",
         file=sys.stdout,

@@ -189,7 +189,7 @@ def _parse(raw: bytes, where: str) -> Metadata:
         if not isinstance(f, dict) or type(f.get("name")) is not str:
             raise bad("each file needs a name")
         name = f["name"]
-        if not FILE_NAME_RE.match(name) or name == METADATA_FILE or name in seen:
+        if not FILE_NAME_RE.fullmatch(name) or name == METADATA_FILE or name in seen:
             raise bad(f"file name {name!r} is not a plain, unique file name inside the checkpoint directory")
         seen.add(name)
         files.append(FileMeta(name, _int(f.get("bytes"), f"size of {name}", bad, lo=0, hi=1 << 60)))
