@@ -20,10 +20,11 @@ from . import adapters
 from .adapters.state_dict import TENSOR, iter_leaves
 from .coordination import wire
 from .coordination.base import Coordinator, all_gather_checked, broadcast_checked, pack_status, unpack_status
+from .core import dtypes
 from .core.shards import LocalShard, ShardedTensor, check_shard_buffer
 from .errors import StateDictError
 from .format import values as values_codec
-from .format.metadata import ChunkTable, FileMeta, Metadata, TensorMeta
+from .format.metadata import MAX_DIMS, MAX_TENSOR_BYTES, ChunkTable, FileMeta, Metadata, TensorMeta
 from .options import SaveOptions
 from .planning.save_plan import GlobalPlan, LocalPlan, PlanCache, plan_global
 from .storage.commit import SaveTarget, load_metadata
@@ -44,6 +45,22 @@ class StagedState:
         return sum(sh.data.size for _, sh in self.chunks)
 
 
+def check_storable(fqn: str, shape: tuple[int, ...], dtype: str) -> None:
+    """Refuse, before anything is written, a tensor the format cannot store (so every save loads)."""
+    if not fqn:
+        raise StateDictError("a tensor is stored under the empty key ''; hyperdcp names every tensor by a non-empty "
+                             "key: put it in the state dict under a name")
+    if len(shape) > MAX_DIMS:
+        raise StateDictError(f"tensor {fqn!r} has {len(shape)} dimensions; the format stores at most {MAX_DIMS}: "
+                             "reshape it before saving")
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    if numel * dtypes.itemsize(dtype) > MAX_TENSOR_BYTES:
+        raise StateDictError(f"tensor {fqn!r} of shape {list(shape)} is larger than the format's "
+                             f"{MAX_TENSOR_BYTES}-byte limit per tensor")
+
+
 def stage(state_dict: Any, ctx: Coordinator) -> StagedState:
     """Describe ``state_dict`` for saving (no copies of CPU tensors; device tensors come to host)."""
     if not isinstance(state_dict, dict) and not hasattr(state_dict, "state_dict"):
@@ -52,6 +69,7 @@ def stage(state_dict: Any, ctx: Coordinator) -> StagedState:
     for fqn, kind, v in iter_leaves(state_dict):
         if kind == TENSOR:
             st = adapters.to_sharded(fqn, v, ctx, for_load=False)
+            check_storable(fqn, st.shape, st.dtype)
             for sh in st.shards:
                 check_shard_buffer(fqn, sh, st.dtype)
             tensors.append(st)
