@@ -28,7 +28,7 @@ from .format.metadata import MAX_DIMS, MAX_TENSOR_BYTES, ChunkTable, FileMeta, M
 from .options import SaveOptions
 from .planning.save_plan import GlobalPlan, LocalPlan, PlanCache, plan_global
 from .storage.commit import SaveTarget, load_metadata
-from .storage.data_file import ChunkToWrite, chunk_name, write_data_file
+from .storage.data_file import ChunkToWrite, chunk_name, data_file_name, save_token, write_data_file
 from .storage.threads import run_all
 
 
@@ -101,8 +101,11 @@ class SaveResult:
         return self._metadata
 
 
-def _write_assigned(tmp: str, rank: int, staged: StagedState, assignment: np.ndarray, opts: SaveOptions) -> bytes:
-    """Write this rank's assigned chunks into 1..files_per_rank data files; return the result message."""
+def _write_assigned(tmp: str, rank: int, staged: StagedState, assignment: np.ndarray, opts: SaveOptions,
+                    token: str = "") -> bytes:
+    """Write this rank's assigned chunks into 1..files_per_rank data files; return the result message.
+
+    ``token`` (unique per save, the same on every rank) goes into the file names: see data_file_name."""
     todo = [staged.chunks[i] for i in assignment.tolist()]
     if not todo:
         empty = np.zeros(0, np.int64)
@@ -113,7 +116,7 @@ def _write_assigned(tmp: str, rank: int, staged: StagedState, assignment: np.nda
     groups = [g for g in np.split(np.arange(len(todo)), cut) if len(g)]
     jobs = []
     for fi, g in enumerate(groups):
-        name = f"r{rank:05d}-{fi:02d}.safetensors"
+        name = data_file_name(rank, fi, token)
         chunks = []
         for i in g.tolist():
             st, sh = todo[i]
@@ -227,7 +230,7 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
 
         wexc, result = None, b""
         try:
-            result = _write_assigned(tmp, rank, staged, assignment, opts)
+            result = _write_assigned(tmp, rank, staged, assignment, opts, save_token(os.path.basename(tmp)))
         except Exception as e:  # noqa: BLE001
             wexc = e
         results = coord.gather(pack_status(result, wexc), 0)

@@ -39,18 +39,23 @@ from tests.faults.report import finish
 META = "hyperdcp.json"
 MEM_LIMIT = 64 << 20
 
-_watch = {"root": None, "outside": []}
+_watch = {"root": None, "outside": [], "dir_opened": False}
 
 
 def _audit(event, args):
     root = _watch["root"]
     if root is None or event != "open" or not args or not isinstance(args[0], (str, bytes, os.PathLike)):
         return
-    lexical = os.path.abspath(os.fsdecode(args[0]))
+    name = os.fsdecode(args[0])
+    flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+    if os.sep not in name and flags & os.O_NOFOLLOW and _watch["dir_opened"]:
+        return  # a plain name opened relative to the checkpoint's directory descriptor (no link followed)
+    lexical = os.path.abspath(name)
     if lexical.endswith((".py", ".pyc", ".so")) and any(lexical.startswith(os.path.abspath(d) + os.sep) for d in sys.path if d):
         return  # lazy imports of modules
     real = os.path.realpath(lexical)
-    flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+    if lexical == root and flags & getattr(os, "O_DIRECTORY", 0):
+        _watch["dir_opened"] = True
 
     def inside(p):
         return p == root or p.startswith(root + os.sep)
@@ -228,7 +233,7 @@ def one_trial(pristine: str, state: dict, work: str, rng: random.Random, kind: s
         else:
             os.symlink(work, fp)
     root = os.path.abspath(path)
-    _watch["root"], _watch["outside"] = root, []
+    _watch["root"], _watch["outside"], _watch["dir_opened"] = root, [], False
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(deadline_s)
     tracemalloc.start()

@@ -168,6 +168,36 @@ class Metadata:
             raise FormatError(f"{where}: invalid metadata ({type(e).__name__}: {e}); the file is damaged") from None
 
 
+def sign_json(doc: dict) -> bytes:
+    """Strict JSON of ``doc`` followed by its self-checksum trailer (as in ``hyperdcp.json``)."""
+    body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    body = body[:-1] + b',"metadata_checksum":"' + _ZERO + b'"}\n'
+    digest = b"%016x" % xxhash.xxh3_64_intdigest(body)
+    return body[: -len(_ZERO) - 3] + digest + b'"}\n'
+
+
+def load_signed_json(raw: bytes, where: str) -> Any:
+    """The document of a self-checksummed JSON file; FormatError naming ``where`` if it is damaged.
+
+    Never echoes the file's contents: the error says what is wrong, not what is there.
+    """
+    m = _TRAILER_RE.search(raw)
+    if m is None:
+        raise FormatError(f"{where}: missing or malformed metadata_checksum trailer (truncated, edited or written by "
+                          "an older hyperdcp); the file is damaged")
+    zeroed = raw[: m.start(1)] + _ZERO + raw[m.end(1):]
+    if b"%016x" % xxhash.xxh3_64_intdigest(zeroed) != m.group(1):
+        raise FormatError(f"{where}: metadata_checksum does not match the file's contents (corrupted or edited file)")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError, MemoryError) as e:
+        raise FormatError(f"{where}: not valid strict JSON ({type(e).__name__}); the file is damaged") from None
+
+
+def _refuse_constant(c: str):
+    raise ValueError(f"non-standard JSON constant {c}")
+
+
 def _parse(raw: bytes, where: str) -> Metadata:
     def bad(why: str) -> FormatError:
         return FormatError(f"{where}: {why}; the metadata is damaged or was not written by hyperdcp")
