@@ -19,13 +19,14 @@ import numpy as np
 from . import adapters
 from .adapters.state_dict import TENSOR, iter_leaves
 from .coordination import wire
-from .coordination.base import Coordinator, all_gather_checked, broadcast_checked, pack_status, unpack_status
+from .coordination.base import Coordinator, _everywhere, all_gather_checked, broadcast_checked, pack_status, unpack_status
 from .core import dtypes
 from .core.shards import LocalShard, ShardedTensor, check_shard_buffer
 from .errors import StateDictError
 from .format import values as values_codec
 from .format.metadata import MAX_DIMS, MAX_TENSOR_BYTES, ChunkTable, FileMeta, Metadata, TensorMeta
 from .options import SaveOptions
+from .path_identity import DIGEST_BYTES, mismatch_among, path_digest
 from .planning.save_plan import GlobalPlan, LocalPlan, PlanCache, plan_global
 from .storage.commit import SaveTarget, load_metadata
 from .storage.data_file import ChunkToWrite, chunk_name, data_file_name, save_token, write_data_file
@@ -187,10 +188,15 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
     def fail_local():
         if isinstance(staged, BaseException):
             raise staged
-        return staged.plan.digest(W)
+        return staged.plan.digest(W) + (path_digest(path) if W > 1 else b"")
 
     try:
         digests = all_gather_checked(coord, "staging the state dict", fail_local)
+        if W > 1:  # every rank must save to the same path (the digest rides on this exchange)
+            wrong = mismatch_among(path, [d[-DIGEST_BYTES:] for d in digests], rank, "save")
+            if wrong is not None:
+                raise _everywhere(wrong)
+            digests = [d[:-DIGEST_BYTES] for d in digests]
         assert isinstance(staged, StagedState)
         key = PlanCache.key(digests)
         cached = cache.get(key) if (cache is not None and opts.plan_cache) else None
