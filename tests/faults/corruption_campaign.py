@@ -131,6 +131,10 @@ def one_trial(pristine: str, state: dict, work: str, rng: random.Random, nc: str
         info["verify_ok"] = rep.ok
     except hyperdcp.CheckpointError:
         info["verify_ok"] = False
+    except Exception as e:  # noqa: BLE001 - verify must report damage, never crash on it
+        info["verify_ok"] = False
+        info["error"] = f"verify: {type(e).__name__}: {e}"
+        info["outcome"] = "crash"
     if info["outcome"] == "detected" and info["verify_ok"]:
         info["outcome"] = "verify-missed"
     return info
