@@ -11,6 +11,7 @@ overlapping) and checksum strings.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -43,8 +44,6 @@ DEFAULT_MAX_METADATA_BYTES = 2 << 30
 
 def max_metadata_bytes() -> int:
     """The largest metadata file readers accept (2 GiB unless ``HYPERDCP_MAX_METADATA_BYTES`` says otherwise)."""
-    import os
-
     try:
         return max(1, int(os.environ.get("HYPERDCP_MAX_METADATA_BYTES", DEFAULT_MAX_METADATA_BYTES)))
     except ValueError:
