@@ -68,7 +68,7 @@ from .core.shards import ShardedTensor
 from .errors import CheckpointError, CoordinationError, MismatchError
 from .format.metadata import Metadata
 from .options import LoadOptions
-from .planning.load_plan import ChunkRead, Piece, byte_span, dst_view, group_reads, src_view
+from .planning.load_plan import ChunkRead, Piece, byte_shape, byte_span, dst_view, group_reads, src_view
 from .storage.checksum import block_range
 from .storage.reader import DataFiles
 
@@ -732,7 +732,7 @@ class _Exchange:
                 flat = np.empty(m.nbytes, dtype=np.uint8)
                 for u, n, off in m.packed:
                     isz = dtypes.itemsize(self.meta.tensors[self.names[u.tidx]].dtype)
-                    np.copyto(flat[off : off + n.nbytes].reshape(n.box.lengths + (isz,)), self._src(bufs, u, n, flat=False))
+                    np.copyto(flat[off : off + n.nbytes].reshape(byte_shape(n.box.lengths, isz)), self._src(bufs, u, n, flat=False))
                 out.append((m, flat))
         bsend = {u.uid: self._src(bufs, u, u.needs[0], flat=True) for u in mine if u.bcast}
         return {"sends": out, "recvs": recvs, "bsend": bsend, "batch": batch}

@@ -95,22 +95,21 @@ def _check_plain_name(root: str, name: Any, where: str) -> str:
 
 
 def _open_regular(path: str) -> tuple[int, int]:
+    """Open through the checkpoint's one path: no links followed, non-blocking (a FIFO cannot hang), regular
+    files only."""
+    from .storage.safe_open import open_regular
+
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        return open_regular(path, "safetensors file", missing=FileNotFoundError)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"safetensors file {path} does not exist; the HF checkpoint is incomplete") from None
-    except OSError as e:
-        if os.path.islink(path):
+    except FormatError as e:
+        if "symbolic link" in str(e):
             raise FormatError(
                 f"{path} is a symbolic link; hyperdcp never follows links inside a checkpoint (copy the files, "
                 "e.g. snapshot_download(local_dir=...), or pass the link's target file)"
             ) from None
-        raise StorageError(f"cannot open {path}: {e.strerror or e}") from e
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise FormatError(f"{path} is not a regular file")
-    return fd, st.st_size
+        raise
 
 
 def _read_index(root: str, name: str) -> dict[str, str]:
@@ -119,13 +118,15 @@ def _read_index(root: str, name: str) -> dict[str, str]:
     try:
         if size > MAX_INDEX_BYTES:
             raise FormatError(f"{path}: index of {size} bytes exceeds the {MAX_INDEX_BYTES}-byte limit")
-        raw = os.pread(fd, size, 0)
+        from .storage.safe_open import pread_exact
+
+        raw = pread_exact(fd, size, 0, f"index file {path}")
     finally:
         os.close(fd)
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise FormatError(f"{path}: not valid JSON ({e}); regenerate the index") from None
+    except (ValueError, UnicodeDecodeError, RecursionError, MemoryError) as e:
+        raise FormatError(f"{path}: not valid JSON ({type(e).__name__}); regenerate the index") from None
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not all(type(k) is str and k for k in wm):
         raise FormatError(f"{path}: needs a \"weight_map\" object mapping tensor names to shard files")
@@ -178,8 +179,10 @@ def read_hf_metadata(path: str | os.PathLike) -> HFMetadata:
         fd, size = _open_regular(fpath)
         try:
             entries, _ = read_header(fd, size, fpath)
-            (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-            head = json.loads(os.pread(fd, n, 8).decode("utf-8"))
+            from .storage.safe_open import pread_exact
+
+            (n,) = struct.unpack("<Q", pread_exact(fd, 8, 0, fpath))
+            head = json.loads(pread_exact(fd, n, 8, fpath).decode("utf-8"))
         finally:
             os.close(fd)
         meta = head.get("__metadata__") or {}
@@ -192,6 +195,9 @@ def read_hf_metadata(path: str | os.PathLike) -> HFMetadata:
             hf_meta = {str(k): v for k, v in meta.items()}
         files.append(FileMeta(name, size))
         for tname, (code, shape, begin, end) in entries.items():
+            if not tname:
+                raise FormatError(f"{fpath} holds a tensor with the empty name ''; hyperdcp names every tensor by a "
+                                  "non-empty key: rename it (e.g. with safetensors) before loading or converting")
             if tname in tensors:
                 raise FormatError(f"tensor {tname!r} is stored both in {where_of[tname]} and in {name} under {root!r}")
             where_of[tname] = name

@@ -27,6 +27,7 @@ from .errors import CorruptionError, MismatchError, StateDictError
 from .exchange import read_once
 from .format.metadata import METADATA_FILE, Metadata
 from .options import LoadOptions
+from .path_identity import DIGEST_BYTES, mismatch_with_source, path_digest
 from .planning.load_plan import ChunkRead, Piece, TensorIndex, check_compatible, dst_view, group_reads, pieces_for, src_view
 from .storage.checksum import verify_blocks
 from .storage.commit import read_metadata_bytes
@@ -62,14 +63,36 @@ def fetch_metadata(coord: Coordinator, path: str) -> Metadata:
     A remote URL (fsspec) must hold a committed hyperdcp checkpoint: HuggingFace sources and unmerged
     rank files of no-collectives async saves are detected on local paths only.
     """
+    meta, wrong_path = fetch_metadata_checked(coord, path)
+    if wrong_path is not None:
+        raise wrong_path
+    return meta
+
+
+def fetch_metadata_checked(coord: Coordinator, path: str) -> tuple[Metadata, Exception | None]:
+    """:func:`fetch_metadata`, and this rank's error if it named another path than rank 0 (None if not).
+
+    With several ranks, rank 0's path digest rides on the metadata broadcast (no extra collective); the
+    caller raises the error in its next checked step, so it surfaces on every rank.
+    """
+    tag = coord.world_size > 1
+
+    def shared(what: str, read) -> tuple[bytes, Exception | None]:
+        raw = broadcast_checked(coord, what, (lambda: path_digest(path) + read()) if tag else read, 0)
+        if not tag:
+            return raw, None
+        return raw[DIGEST_BYTES:], mismatch_with_source(path, raw[:DIGEST_BYTES], coord.rank, "load")
+
     if is_remote(path):
-        raw = broadcast_checked(coord, f"reading the metadata of {path!r}", lambda: read_remote_metadata_bytes(path), 0)
-        return Metadata.from_json(raw, where=url_join(path, METADATA_FILE))
+        raw, wrong = shared(f"reading the metadata of {path!r}", lambda: read_remote_metadata_bytes(path))
+        return Metadata.from_json(raw, where=url_join(path, METADATA_FILE)), wrong
     path = local_path(path)  # file:// URLs
     if not has_rank_files(path) and hf.is_hf_source(path):  # no hyperdcp.json but safetensors files: HuggingFace
-        return hf.fetch_metadata(coord, path)
-    raw = broadcast_checked(coord, f"reading the metadata of {path!r}", lambda: read_metadata_bytes(path), 0)
-    return Metadata.from_json(raw, where=os.path.join(os.fspath(path), METADATA_FILE))
+        raw, wrong = shared(f"reading the safetensors headers of {path!r}",
+                            lambda: hf._encode_view(hf.read_hf_metadata(path)))
+        return hf._decode_view(raw), wrong
+    raw, wrong = shared(f"reading the metadata of {path!r}", lambda: read_metadata_bytes(path))
+    return Metadata.from_json(raw, where=os.path.join(os.fspath(path), METADATA_FILE)), wrong
 
 
 def copy_piece(buf: np.ndarray, read: ChunkRead, meta: Metadata, piece: Piece) -> None:
@@ -173,7 +196,7 @@ def plan_targets(leaves: list[LoadLeaf], meta: Metadata, coord: Coordinator, opt
 
 def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> LoadResult:
     t0 = time.perf_counter()
-    meta = fetch_metadata(coord, path)
+    meta, wrong_path = fetch_metadata_checked(coord, path)  # wrong_path: raised by the planning step, everywhere
     files = open_files(getattr(meta, "root", "") or path, meta)  # HF sources: the directory of the files; URLs: RemoteFiles
     if opts.key_map is not None:
         from .hf import rename_keys
@@ -183,6 +206,8 @@ def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> L
         opts = replace(opts, verify_checksums=False)
     try:
         def plan():
+            if wrong_path is not None:
+                raise wrong_path
             if not isinstance(state_dict, dict) and not hasattr(state_dict, "state_dict"):
                 raise StateDictError(
                     f"load needs a dict (or an object with state_dict()) to load into, got {type(state_dict).__name__}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
 from .errors import CheckpointError, CheckpointNotFoundError, FormatError
 from .storage.commit import load_metadata, recover_under, torch_dcp_message
@@ -54,12 +55,29 @@ def list_checkpoints(root: str | os.PathLike) -> list[str]:
     return [p for *_, p in found]
 
 
-def latest_checkpoint(root: str | os.PathLike) -> str | None:
+def latest_checkpoint(root: str | os.PathLike, *, shared: bool | None = None, process_group: Any = None) -> str | None:
     """The newest complete checkpoint directly under ``root``, or None when there is none.
+
+    When torch.distributed is initialized with several ranks (or ``shared=True``), rank 0 resolves it and
+    sends the answer to every rank, so all ranks load the same checkpoint even while another job commits
+    a newer one; every rank of the group must then call it. ``shared=False``: resolve on this rank alone.
 
     Raises :class:`~hyperdcp.FormatError` when ``root`` is itself a torch DCP checkpoint, or holds torch DCP
     checkpoints and no hyperdcp one (hyperdcp cannot load those yet; None would silently start afresh).
     """
+    if shared is not False:
+        from .api import coordinator_for
+
+        coord = coordinator_for(process_group)
+        if coord.world_size > 1:
+            from .coordination.base import broadcast_checked
+
+            def resolve() -> bytes:
+                cps = list_checkpoints(root)
+                return b"\x01" + os.fsencode(cps[-1]) if cps else b"\x00"
+
+            raw = broadcast_checked(coord, f"finding the latest checkpoint under {os.fspath(root)!r}", resolve, 0)
+            return os.fsdecode(raw[1:]) if raw[:1] == b"\x01" else None
     cps = list_checkpoints(root)
     return cps[-1] if cps else None
 

@@ -19,15 +19,17 @@ import numpy as np
 from . import adapters
 from .adapters.state_dict import TENSOR, iter_leaves
 from .coordination import wire
-from .coordination.base import Coordinator, all_gather_checked, broadcast_checked, pack_status, unpack_status
+from .coordination.base import Coordinator, _everywhere, all_gather_checked, broadcast_checked, pack_status, unpack_status
+from .core import dtypes
 from .core.shards import LocalShard, ShardedTensor, check_shard_buffer
 from .errors import StateDictError
 from .format import values as values_codec
-from .format.metadata import ChunkTable, FileMeta, Metadata, TensorMeta
+from .format.metadata import MAX_DIMS, MAX_TENSOR_BYTES, ChunkTable, FileMeta, Metadata, TensorMeta
 from .options import SaveOptions
+from .path_identity import DIGEST_BYTES, mismatch_among, path_digest
 from .planning.save_plan import GlobalPlan, LocalPlan, PlanCache, plan_global
 from .storage.commit import SaveTarget, load_metadata
-from .storage.data_file import ChunkToWrite, chunk_name, write_data_file
+from .storage.data_file import ChunkToWrite, chunk_name, data_file_name, save_token, write_data_file
 from .storage.threads import run_all
 
 
@@ -44,6 +46,22 @@ class StagedState:
         return sum(sh.data.size for _, sh in self.chunks)
 
 
+def check_storable(fqn: str, shape: tuple[int, ...], dtype: str) -> None:
+    """Refuse, before anything is written, a tensor the format cannot store (so every save loads)."""
+    if not fqn:
+        raise StateDictError("a tensor is stored under the empty key ''; hyperdcp names every tensor by a non-empty "
+                             "key: put it in the state dict under a name")
+    if len(shape) > MAX_DIMS:
+        raise StateDictError(f"tensor {fqn!r} has {len(shape)} dimensions; the format stores at most {MAX_DIMS}: "
+                             "reshape it before saving")
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    if numel * dtypes.itemsize(dtype) > MAX_TENSOR_BYTES:
+        raise StateDictError(f"tensor {fqn!r} of shape {list(shape)} is larger than the format's "
+                             f"{MAX_TENSOR_BYTES}-byte limit per tensor")
+
+
 def stage(state_dict: Any, ctx: Coordinator) -> StagedState:
     """Describe ``state_dict`` for saving (no copies of CPU tensors; device tensors come to host)."""
     if not isinstance(state_dict, dict) and not hasattr(state_dict, "state_dict"):
@@ -52,6 +70,7 @@ def stage(state_dict: Any, ctx: Coordinator) -> StagedState:
     for fqn, kind, v in iter_leaves(state_dict):
         if kind == TENSOR:
             st = adapters.to_sharded(fqn, v, ctx, for_load=False)
+            check_storable(fqn, st.shape, st.dtype)
             for sh in st.shards:
                 check_shard_buffer(fqn, sh, st.dtype)
             tensors.append(st)
@@ -88,8 +107,11 @@ class SaveResult:
                 f"plan_cache_hit={self.plan_cache_hit}, seconds={self.seconds:.3f})")
 
 
-def _write_assigned(tmp: str, rank: int, staged: StagedState, assignment: np.ndarray, opts: SaveOptions) -> bytes:
-    """Write this rank's assigned chunks into 1..files_per_rank data files; return the result message."""
+def _write_assigned(tmp: str, rank: int, staged: StagedState, assignment: np.ndarray, opts: SaveOptions,
+                    token: str = "") -> bytes:
+    """Write this rank's assigned chunks into 1..files_per_rank data files; return the result message.
+
+    ``token`` (unique per save, the same on every rank) goes into the file names: see data_file_name."""
     todo = [staged.chunks[i] for i in assignment.tolist()]
     if not todo:
         empty = np.zeros(0, np.int64)
@@ -100,7 +122,7 @@ def _write_assigned(tmp: str, rank: int, staged: StagedState, assignment: np.nda
     groups = [g for g in np.split(np.arange(len(todo)), cut) if len(g)]
     jobs = []
     for fi, g in enumerate(groups):
-        name = f"r{rank:05d}-{fi:02d}.safetensors"
+        name = data_file_name(rank, fi, token)
         chunks = []
         for i in g.tolist():
             st, sh = todo[i]
@@ -171,10 +193,15 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
     def fail_local():
         if isinstance(staged, BaseException):
             raise staged
-        return staged.plan.digest(W)
+        return staged.plan.digest(W) + (path_digest(path) if W > 1 else b"")
 
     try:
         digests = all_gather_checked(coord, "staging the state dict", fail_local)
+        if W > 1:  # every rank must save to the same path (the digest rides on this exchange)
+            wrong = mismatch_among(path, [d[-DIGEST_BYTES:] for d in digests], rank, "save")
+            if wrong is not None:
+                raise _everywhere(wrong)
+            digests = [d[:-DIGEST_BYTES] for d in digests]
         assert isinstance(staged, StagedState)
         key = PlanCache.key(digests)
         cached = cache.get(key) if (cache is not None and opts.plan_cache) else None
@@ -214,7 +241,7 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
 
         wexc, result = None, b""
         try:
-            result = _write_assigned(tmp, rank, staged, assignment, opts)
+            result = _write_assigned(tmp, rank, staged, assignment, opts, save_token(os.path.basename(tmp)))
         except Exception as e:  # noqa: BLE001
             wexc = e
         results = coord.gather(pack_status(result, wexc), 0)

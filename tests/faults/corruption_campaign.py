@@ -6,6 +6,10 @@ the damage is inside a chunk's bytes) -- never in wrong values, never in another
 
     python -m tests.faults.corruption_campaign --trials 200 [--seed 0] [--json out.json]
 
+Second campaign (issue 11): a quarter of the trials damage a checkpoint saved in the no-collectives mode
+(``async_save(coordination="none")``: data files plus a rank metadata file ``hyperdcp.rank-00000.json``,
+no ``hyperdcp.json``), so damage to rank files -- a changed digit of a value included -- is covered too.
+
 Outcomes per trial: ``detected`` (the required result), ``benign`` (the load succeeded bit-exact:
 the damaged bytes are ones no reader depends on; counted, allowed only with --allow-benign),
 ``silent`` (wrong values: a failure), ``crash`` (a non-CheckpointError exception: a failure),
@@ -68,9 +72,15 @@ def build(root: str) -> tuple[str, dict]:
     return path, state
 
 
+def build_rank_files(root: str, state: dict) -> str:
+    path = os.path.join(root, "pristine-nc")
+    hyperdcp.async_save(state, path, coordination="none", checksum_block_bytes=1024, files_per_rank=3).result(timeout=120)
+    return path
+
+
 def corrupt(path: str, rng: random.Random) -> dict:
     names = sorted(os.listdir(path))
-    meta_name = "hyperdcp.json"
+    meta_name = "hyperdcp.json" if "hyperdcp.json" in names else "hyperdcp.rank-00000.json"
     target = meta_name if rng.random() < 0.25 else rng.choice([n for n in names if n != meta_name])
     p = os.path.join(path, target)
     data = bytearray(open(p, "rb").read())
@@ -94,11 +104,14 @@ def corrupt(path: str, rng: random.Random) -> dict:
     return {"file": target, "mode": mode, "at": at, "size": len(data)}
 
 
-def one_trial(pristine: str, state: dict, work: str, rng: random.Random) -> dict:
+def one_trial(pristine: str, state: dict, work: str, rng: random.Random, nc: str | None = None) -> dict:
+    """One trial; with ``nc`` (a no-collectives pristine checkpoint) a quarter of the trials damage that one."""
     path = os.path.join(work, "ckpt")
     shutil.rmtree(path, ignore_errors=True)
-    shutil.copytree(pristine, path)
+    use_nc = nc is not None and rng.random() < 0.25
+    shutil.copytree(nc if use_nc else pristine, path)
     info = corrupt(path, rng)
+    info["layout"] = "rank-files" if use_nc else "committed"
     out = zeros_like(state)
     try:
         hyperdcp.load(out, path)
@@ -118,22 +131,29 @@ def one_trial(pristine: str, state: dict, work: str, rng: random.Random) -> dict
         info["verify_ok"] = rep.ok
     except hyperdcp.CheckpointError:
         info["verify_ok"] = False
+    except Exception as e:  # noqa: BLE001 - verify must report damage, never crash on it
+        info["verify_ok"] = False
+        info["error"] = f"verify: {type(e).__name__}: {e}"
+        info["outcome"] = "crash"
     if info["outcome"] == "detected" and info["verify_ok"]:
         info["outcome"] = "verify-missed"
     return info
 
 
-def campaign(trials: int, seed: int = 0, log=print) -> dict:
+def campaign(trials: int, seed: int = 0, log=print, rank_files: bool = True) -> dict:
     rng = random.Random(seed)
     counts: dict[str, int] = {}
     failures = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hdcp-corrupt-") as root:
         pristine, state = build(root)
+        nc = build_rank_files(root, state) if rank_files else None
         for i in range(trials):
-            info = one_trial(pristine, state, root, rng)
+            info = one_trial(pristine, state, root, rng, nc)
             counts[info["outcome"]] = counts.get(info["outcome"], 0) + 1
-            key = f"{'meta' if info['file'] == 'hyperdcp.json' else 'data'}:{info['mode']}"
+            key = f"{'meta' if info['file'].startswith('hyperdcp.') else 'data'}:{info['mode']}"
+            if info["layout"] == "rank-files":
+                key = "rank-files:" + key
             counts[key] = counts.get(key, 0) + 1
             if info["outcome"] not in ("detected", "benign"):
                 failures.append(info)

@@ -17,12 +17,15 @@ import time
 import numpy as np
 
 from ..coordination import wire
-from ..errors import CheckpointExistsError, FormatError, IncompleteCheckpointError, StorageError
-from ..format.metadata import METADATA_FILE, ChunkTable, FileMeta, Metadata, TensorMeta
+from ..errors import CheckpointError, CheckpointExistsError, FormatError, IncompleteCheckpointError, StorageError
+from ..format.metadata import (METADATA_FILE, ChunkTable, FileMeta, Metadata, TensorMeta, load_signed_json,
+                               max_metadata_bytes, sign_json)
 from ..format import values as values_codec
 from ..options import SaveOptions
 from ..saving import SaveResult, StagedState, _write_assigned
 from ..storage.commit import fsync_dir
+from ..storage.data_file import save_token
+from ..storage.safe_open import open_dir, read_regular
 
 RANK_FORMAT = "hyperdcp-rank"
 PREFIX, SUFFIX = "hyperdcp.rank-", ".json"
@@ -54,7 +57,7 @@ def persist_alone(path: str, rank: int, world_size: int, staged: StagedState, mi
         for e in os.listdir(path):
             if e == os.path.basename(mine_file) or e.startswith(f"r{rank:05d}-") or (rank == 0 and e == METADATA_FILE):
                 os.unlink(os.path.join(path, e))
-    result = _write_assigned(path, rank, staged, mine, opts)
+    result = _write_assigned(path, rank, staged, mine, opts, save_token(save_id))
     head, arr = wire.unpack(result)
     tensors: dict = {}
     for j, i in enumerate(mine.tolist()):
@@ -75,7 +78,7 @@ def persist_alone(path: str, rank: int, world_size: int, staged: StagedState, mi
     }
     tmp = mine_file + ".tmp"
     with open(tmp, "wb") as f:
-        f.write(json.dumps(doc, separators=(",", ":")).encode())
+        f.write(sign_json(doc))  # self-checksummed like hyperdcp.json: an edited rank file is refused
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, mine_file)
@@ -91,31 +94,96 @@ def has_rank_files(path: str) -> bool:
         return False
 
 
+def _read_rank_docs(path: str) -> dict[int, dict]:
+    """Every rank file of ``path``, read through the checkpoint's one no-follow, regular-file-only,
+    size-capped open, checksum-verified and schema-checked; keyed by rank."""
+    docs: dict[int, dict] = {}
+    cap = max_metadata_bytes()
+    dfd = open_dir(path)
+    try:
+        for e in sorted(os.listdir(dfd)):
+            if not (e.startswith(PREFIX) and e.endswith(SUFFIX)):
+                continue
+            where = os.path.join(path, e)
+            d = load_signed_json(read_regular(where, "rank metadata file", cap, dir_fd=dfd, name=e), where)
+            _check_rank_doc(d, where)
+            if d["rank"] in docs:
+                raise FormatError(f"{where}: a second rank file claims rank {d['rank']}; the checkpoint is damaged")
+            docs[d["rank"]] = d
+    finally:
+        os.close(dfd)
+    return docs
+
+
+def _check_rank_doc(d, where: str) -> None:
+    """The members merge relies on, with their types and ranges (see docs/FORMAT.md)."""
+    def bad(why: str) -> FormatError:
+        return FormatError(f"{where}: {why}; the rank metadata file is damaged or was not written by hyperdcp")
+
+    def is_int(v, lo: int, hi: int) -> bool:
+        return type(v) is int and lo <= v <= hi
+
+    if not isinstance(d, dict) or d.get("format") != RANK_FORMAT:
+        raise bad("not a hyperdcp rank metadata document")
+    if d.get("version") != 1:
+        raise bad("unsupported rank file version (upgrade hyperdcp?)")
+    if not is_int(d.get("world_size"), 1, 1 << 31):
+        raise bad("world_size must be an integer in [1, 2^31]")
+    if not is_int(d.get("rank"), 0, d["world_size"] - 1):
+        raise bad("rank must be an integer in [0, world_size)")
+    if type(d.get("save_id")) is not str or not is_int(d.get("checksum_block_bytes"), 1, 1 << 40):
+        raise bad("save_id must be a string and checksum_block_bytes a positive integer")
+    files = d.get("files")
+    if type(files) is not list or not all(type(f) is list and len(f) == 2 and type(f[0]) is str
+                                          and is_int(f[1], 0, 1 << 60) for f in files):
+        raise bad("files must be a list of [name, bytes]")
+    tensors = d.get("tensors")
+    cols = ("offsets", "lengths", "file", "begin", "end", "checksums")
+    if type(tensors) is not dict or not all(
+            type(t) is dict and type(t.get("dtype")) is str and type(t.get("shape")) is list
+            and all(type(t.get(c)) is list and len(t[c]) == len(t["begin"]) for c in cols)
+            and all(is_int(x, 0, len(files) - 1) for x in t["file"]) for t in tensors.values()):
+        raise bad("tensors must map names to chunk columns of equal length naming this rank's files")
+    for t in tensors.values():
+        if not all(type(b) is list and len(b) == len(t["shape"]) for c in ("offsets", "lengths") for b in t[c]):
+            raise bad("each chunk box must have one offset and one length per dimension")
+    all_t = d.get("all_tensors", [])
+    if type(all_t) is not list or not all(type(x) is list and len(x) == 3 and type(x[0]) is str
+                                          and type(x[1]) is str and type(x[2]) is list for x in all_t):
+        raise bad("all_tensors must be a list of [name, dtype, shape]")
+    if type(d.get("values")) is not dict or type(d.get("user", {})) is not dict \
+            or type(d.get("created_unix", 0)) not in (int, float):
+        raise bad("values and user must be objects and created_unix a number")
+
+
 def merge(path: str) -> Metadata:
     """Join every rank file of ``path`` into one :class:`Metadata`; raise if the checkpoint is incomplete."""
-    docs: dict[int, dict] = {}
-    for e in sorted(os.listdir(path)):
-        if not (e.startswith(PREFIX) and e.endswith(SUFFIX)):
-            continue
-        where = os.path.join(path, e)
-        try:
-            with open(where, "rb") as f:
-                d = json.loads(f.read())
-            if d.get("format") != RANK_FORMAT:
-                raise ValueError("not a hyperdcp rank file")
-            docs[int(d["rank"])] = d
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise FormatError(f"{where}: unreadable rank metadata ({err}); the rank file is damaged") from None
+    try:
+        return _merge(path)
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError,
+            MemoryError) as e:  # defence in depth: the schema checks above should catch these first
+        raise FormatError(f"{path}: the rank metadata files cannot be merged ({type(e).__name__}); the checkpoint "
+                          "is damaged; load an earlier checkpoint") from None
+
+
+def _merge(path: str) -> Metadata:
+    docs = _read_rank_docs(path)
     if not docs:
         raise IncompleteCheckpointError(f"incomplete checkpoint at {path!r}: no {METADATA_FILE} and no rank files")
-    W = int(docs[min(docs)]["world_size"])
+    W = docs[min(docs)]["world_size"]
     ids = {d["save_id"] for d in docs.values()}
-    missing = sorted(set(range(W)) - set(docs))
-    if missing or len(ids) != 1 or any(int(d["world_size"]) != W for d in docs.values()):
-        why = (f"rank file(s) of rank(s) {missing[:16]} of {W} are missing (those ranks' saves did not finish)"
-               if missing else "rank files come from different saves")
+    if len(ids) != 1 or any(d["world_size"] != W for d in docs.values()):
         raise IncompleteCheckpointError(
-            f"incomplete checkpoint at {path!r} (no-collectives mode): {why}; load an earlier checkpoint"
+            f"incomplete checkpoint at {path!r} (no-collectives mode): rank files come from different saves; load an "
+            "earlier checkpoint"
+        )
+    if len(docs) != W:  # every rank is in [0, W): the first missing ones are found in len(docs) + 16 steps
+        missing = [r for r in range(min(W, len(docs) + 16)) if r not in docs][:16]
+        raise IncompleteCheckpointError(
+            f"incomplete checkpoint at {path!r} (no-collectives mode): rank file(s) of rank(s) {missing} "
+            f"({W - len(docs)} in all) of {W} are missing (those ranks' saves did not finish); load an earlier checkpoint"
         )
     files: list[FileMeta] = []
     acc: dict[str, dict] = {}

@@ -11,6 +11,7 @@ overlapping) and checksum strings.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,18 @@ _ZERO = b"0" * 16
 FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 MAX_DIMS = 64
 MAX_NUMEL = 1 << 62
+#: most bytes one tensor may declare (elements x item size); keeps every byte count inside int64
+MAX_TENSOR_BYTES = 1 << 62
+#: default cap on the size of a commit record or rank metadata file (override: HYPERDCP_MAX_METADATA_BYTES)
+DEFAULT_MAX_METADATA_BYTES = 2 << 30
+
+
+def max_metadata_bytes() -> int:
+    """The largest metadata file readers accept (2 GiB unless ``HYPERDCP_MAX_METADATA_BYTES`` says otherwise)."""
+    try:
+        return max(1, int(os.environ.get("HYPERDCP_MAX_METADATA_BYTES", DEFAULT_MAX_METADATA_BYTES)))
+    except ValueError:
+        return DEFAULT_MAX_METADATA_BYTES
 
 
 def n_blocks(nbytes: int, block_bytes: int) -> int:
@@ -152,6 +165,36 @@ class Metadata:
             raise
         except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError, MemoryError) as e:
             raise FormatError(f"{where}: invalid metadata ({type(e).__name__}: {e}); the file is damaged") from None
+
+
+def sign_json(doc: dict) -> bytes:
+    """Strict JSON of ``doc`` followed by its self-checksum trailer (as in ``hyperdcp.json``)."""
+    body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    body = body[:-1] + b',"metadata_checksum":"' + _ZERO + b'"}\n'
+    digest = b"%016x" % xxhash.xxh3_64_intdigest(body)
+    return body[: -len(_ZERO) - 3] + digest + b'"}\n'
+
+
+def load_signed_json(raw: bytes, where: str) -> Any:
+    """The document of a self-checksummed JSON file; FormatError naming ``where`` if it is damaged.
+
+    Never echoes the file's contents: the error says what is wrong, not what is there.
+    """
+    m = _TRAILER_RE.search(raw)
+    if m is None:
+        raise FormatError(f"{where}: missing or malformed metadata_checksum trailer (truncated, edited or written by "
+                          "an older hyperdcp); the file is damaged")
+    zeroed = raw[: m.start(1)] + _ZERO + raw[m.end(1):]
+    if b"%016x" % xxhash.xxh3_64_intdigest(zeroed) != m.group(1):
+        raise FormatError(f"{where}: metadata_checksum does not match the file's contents (corrupted or edited file)")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError, MemoryError) as e:
+        raise FormatError(f"{where}: not valid strict JSON ({type(e).__name__}); the file is damaged") from None
+
+
+def _refuse_constant(c: str):
+    raise ValueError(f"non-standard JSON constant {c}")
 
 
 def _parse(raw: bytes, where: str) -> Metadata:
@@ -289,7 +332,7 @@ def _parse_tensors_fast(doc: dict, nfiles: int, block: int) -> dict[str, TensorM
         if not all(type(x) is int for sh in shapes for x in sh):
             return None
         numel = np.prod(shp.astype(object), axis=1) if D else np.ones(T, dtype=object)
-        if any(v > MAX_NUMEL for v in numel):
+        if any(v > MAX_NUMEL or v * dtypes.itemsize(cd) > MAX_TENSOR_BYTES for v, cd in zip(numel, codes)):
             return None
         numel = numel.astype(np.int64)
         counts_a = np.array(counts, dtype=np.int64)
@@ -320,7 +363,9 @@ def _parse_tensors_fast(doc: dict, nfiles: int, block: int) -> dict[str, TensorM
         return None
     isz = np.array([dtypes.itemsize(cd) for cd in codes], dtype=np.int64)
     if N:
-        if (lens <= 0).any() or (offs < 0).any() or (offs + lens > shp[tid]).any():
+        # no sum or product before every length is known to fit its dimension: nothing can overflow
+        # (each box lies inside a tensor of at most MAX_TENSOR_BYTES bytes)
+        if (lens <= 0).any() or (offs < 0).any() or (lens > shp[tid]).any() or (offs > shp[tid] - lens).any():
             return None
         if ((f < 0) | (f >= nfiles) | (b < 0) | (e < b)).any():
             return None
@@ -388,8 +433,8 @@ def _parse_tensor(name: str, t: Any, nfiles: int, block: int, bad) -> TensorMeta
     numel = 1
     for s in shape:
         numel *= s
-    if numel > MAX_NUMEL:
-        raise bad(f"tensor {name!r} declares an absurd size {list(shape)}")
+    if numel > MAX_NUMEL or numel * dtypes.itemsize(code) > MAX_TENSOR_BYTES:
+        raise bad(f"tensor {name!r} declares an absurd size {list(shape)} ({code})")
     c = t.get("chunks")
     if not isinstance(c, dict):
         raise bad(f"tensor {name!r} has no chunk table")
@@ -410,6 +455,13 @@ def _parse_tensor(name: str, t: Any, nfiles: int, block: int, bad) -> TensorMeta
         raise bad(f"tensor {name!r}: a chunk names a file index outside the file list")
     if n and ((lengths <= 0).any() if nd else False):
         raise bad(f"tensor {name!r}: chunks must not be empty")
+    if n and nd:
+        dims = np.array(shape, dtype=np.int64)
+        outside = (offsets < 0) | (lengths > dims) | (offsets > dims - lengths)  # overflow-free
+        if outside.any():
+            i = int(np.argmax(outside.any(axis=1)))
+            raise bad(f"tensor {name!r}: chunk {i} (offsets {offsets[i].tolist()}, lengths {lengths[i].tolist()}) "
+                      f"lies outside its shape {list(shape)}")
     if n and ((begin < 0) | (end < begin)).any():
         raise bad(f"tensor {name!r}: a chunk has a negative byte range")
     size = dtypes.itemsize(code) * (lengths.prod(axis=1) if nd else np.ones(n, dtype=np.int64))

@@ -137,7 +137,19 @@ def src_view(buf: np.ndarray, read: ChunkRead, chunk_box: Box, piece: Box, store
     s, _ = byte_span(chunk_box, piece, isz)
     if typed:
         return np.ndarray(piece.lengths, dtype=dtypes.to_numpy(stored_dtype), buffer=buf, offset=s - read.lo, strides=st)
-    return np.ndarray(piece.lengths + (isz,), dtype=np.uint8, buffer=buf, offset=s - read.lo, strides=st + (1,))
+    return np.ndarray(byte_shape(piece.lengths, isz), dtype=np.uint8, buffer=buf, offset=s - read.lo,
+                      strides=st + (1,) if len(st) < _NP_MAXDIMS else st[:-1] + (1,))
+
+
+_NP_MAXDIMS = 64
+
+
+def byte_shape(lengths: tuple[int, ...], isz: int) -> tuple[int, ...]:
+    """The shape of a box's bytes as uint8: its lengths and a byte axis; for a 64-dim box (numpy's
+    limit) the byte axis is folded into the last dimension instead (C order: the same bytes)."""
+    if len(lengths) < _NP_MAXDIMS:
+        return tuple(lengths) + (isz,)
+    return tuple(lengths[:-1]) + (lengths[-1] * isz,)
 
 
 def dst_view(shard: LocalShard, piece: Box, dtype: str, typed: bool) -> np.ndarray:
@@ -146,5 +158,8 @@ def dst_view(shard: LocalShard, piece: Box, dtype: str, typed: bool) -> np.ndarr
     if typed:
         arr = shard.data.view(dtypes.to_numpy(dtype)).reshape(shard.box.lengths)
     else:
-        arr = shard.data.reshape(shard.box.lengths + (isz,))
+        arr = shard.data.reshape(byte_shape(shard.box.lengths, isz))
+        if len(rel.lengths) >= _NP_MAXDIMS:
+            sl = rel.slices()
+            return arr[sl[:-1] + (slice(sl[-1].start * isz, sl[-1].stop * isz),)]
     return arr[rel.slices()]

@@ -40,7 +40,7 @@ from ..errors import (
     IncompleteCheckpointError,
     StorageError,
 )
-from ..format.metadata import METADATA_FILE, Metadata
+from ..format.metadata import METADATA_FILE, Metadata, max_metadata_bytes
 
 _TMP = ".hyperdcp-tmp-"
 _OLD = ".hyperdcp-old-"
@@ -169,10 +169,10 @@ def read_metadata_bytes(path: str) -> bytes:
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"{path!r} is a file, not a checkpoint directory")
     meta = os.path.join(path, METADATA_FILE)
+    from .safe_open import read_regular  # no-follow, non-blocking, regular files only, size-capped
+
     try:
-        # O_NONBLOCK: a FIFO planted as the metadata file must not hang the open
-        fd = os.open(meta, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-                     | getattr(os, "O_CLOEXEC", 0))
+        return read_regular(meta, "metadata file", max_metadata_bytes(), missing=FileNotFoundError)
     except FileNotFoundError:
         from ..async_save.rank_files import merged_metadata_bytes  # no-collectives async saves: merge rank files
 
@@ -185,22 +185,6 @@ def read_metadata_bytes(path: str) -> bytes:
             f"incomplete checkpoint at {path!r}: it has no {METADATA_FILE} (the save did not finish or this is "
             "not a hyperdcp checkpoint); load an earlier checkpoint"
         ) from None
-    except OSError as e:
-        if e.errno == errno.ELOOP or os.path.islink(meta):
-            raise FormatError(f"{meta} is a symbolic link; hyperdcp never follows links inside a checkpoint") from None
-        raise StorageError(f"cannot open {meta}: {e.strerror or e}") from e
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise FormatError(f"{meta} is not a regular file; the checkpoint is damaged")
-        chunks = []
-        while True:
-            b = os.read(fd, 16 << 20)
-            if not b:
-                break
-            chunks.append(b)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def interrupted_saves(path: str) -> list[str]:

@@ -41,6 +41,20 @@ class WrittenFile:
     checksums: list[str]
 
 
+def data_file_name(rank: int, index: int, token: str = "") -> str:
+    """``r<rank:05d>-<token>-<index:02d>.safetensors``; ``token`` (letters and digits) is unique per save, so
+    two saves to one path never share a data file name (a reader of one never opens the other's files).
+    Without a token: the pre-token name ``r<rank:05d>-<index:02d>.safetensors``."""
+    return f"r{rank:05d}-{token}-{index:02d}.safetensors" if token else f"r{rank:05d}-{index:02d}.safetensors"
+
+
+def save_token(text: str) -> str:
+    """A 12-hex-digit file-name token derived from a save's identity (a temporary directory, a save id)."""
+    import xxhash
+
+    return "%012x" % (xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass")) & ((1 << 48) - 1))
+
+
 def chunk_name(fqn: str, offsets: Sequence[int], whole: bool) -> str:
     return fqn if whole else f"{fqn}@{','.join(str(int(o)) for o in offsets)}"
 
@@ -105,7 +119,13 @@ def read_header(fd: int | Callable[[int, int], bytes], file_size: int, where: st
     ``fd`` is a file descriptor, or a ``pread(nbytes, offset) -> bytes`` callable (remote files).
     ``file_metadata``, when given, receives the header's ``__metadata__`` object.
     """
-    pread = fd if callable(fd) else (lambda n, off: os.pread(fd, n, off))
+    if callable(fd):
+        pread = fd
+    else:
+        from .safe_open import pread_exact  # OS read errors (EIO, ...) become StorageError naming the file
+
+        def pread(n: int, off: int) -> bytes:
+            return pread_exact(fd, n, off, where)
     if file_size < 8:
         raise FormatError(f"{where}: too short to be a safetensors file ({file_size} bytes)")
     prefix = pread(8, 0)

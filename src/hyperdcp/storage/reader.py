@@ -6,13 +6,15 @@ records. Every read is counted (``bytes_read``) so benchmarks can report read am
 
 from __future__ import annotations
 
+import json
 import os
-import stat
 import threading
 
 from ..errors import CorruptionError, FormatError, StorageError
 from ..format.metadata import Metadata
+from .commit import read_metadata_bytes
 from .data_file import chunk_name, read_header
+from .safe_open import open_dir, open_regular
 
 
 class DataFiles:
@@ -24,9 +26,16 @@ class DataFiles:
         self.bytes_read = 0
         self.reads = 0
         self._by_file: dict[int, dict[str, tuple]] | None = None
+        self._dir_fd: int | None = None
 
     def path(self, fidx: int) -> str:
         return os.path.join(self.root, self.meta.files[fidx].name)
+
+    def _dir(self) -> int:
+        """The checkpoint directory, opened once per load: every data file is opened relative to it."""
+        if self._dir_fd is None:
+            self._dir_fd = open_dir(self.root)
+        return self._dir_fd
 
     def fd(self, fidx: int) -> int:
         with self._lock:
@@ -34,25 +43,18 @@ class DataFiles:
             if fd is not None:
                 return fd
             path = self.path(fidx)
+            name = self.meta.files[fidx].name
             try:
-                # O_NONBLOCK: a FIFO planted under a data file's name must not hang the open
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-                             | getattr(os, "O_NONBLOCK", 0))
+                # no-follow, non-blocking (a FIFO planted under a data file's name cannot hang the open),
+                # regular files only
+                fd, size = open_regular(path, "data file", dir_fd=self._dir(), name=name, missing=FileNotFoundError)
             except FileNotFoundError:
-                raise CorruptionError(f"data file {path} is missing; the checkpoint is damaged") from None
-            except OSError as e:
-                if e.errno == getattr(os, "ELOOP", -1) or os.path.islink(path):
-                    raise FormatError(f"data file {path} is a symbolic link; hyperdcp never follows links inside a checkpoint") from None
-                raise StorageError(f"cannot open data file {path}: {e.strerror or e}") from e
-            st = os.fstat(fd)
+                raise self._missing(path) from None
             want = self.meta.files[fidx].nbytes
-            if not stat.S_ISREG(st.st_mode):
-                os.close(fd)
-                raise FormatError(f"{path} is not a regular file")
-            if st.st_size != want:
+            if size != want:
                 os.close(fd)
                 raise CorruptionError(
-                    f"data file {path} has {st.st_size} bytes but the metadata records {want} (truncated or replaced)"
+                    f"data file {path} has {size} bytes but the metadata records {want} (truncated or replaced)"
                 )
             try:
                 if getattr(self.meta, "has_checksums", True):  # hyperdcp-written files (not foreign sources)
@@ -62,6 +64,23 @@ class DataFiles:
                 raise
             self._fds[fidx] = fd
             return fd
+
+    def _missing(self, path: str) -> Exception:
+        """A data file the metadata lists is gone: a concurrent overwrite, or real damage.
+
+        Data file names are unique per save, so when the checkpoint at ``root`` now lists other files the
+        load raced a save that replaced it; the load never mixes the two versions.
+        """
+        try:
+            now = [f["name"] for f in json.loads(read_metadata_bytes(self.root).decode("utf-8")).get("files", [])]
+        except Exception:  # noqa: BLE001 - only decides which message to give
+            now = None
+        if now is not None and now != [f.name for f in self.meta.files]:
+            return StorageError(
+                f"data file {path} is gone: the checkpoint at {self.root!r} was replaced by another save while this "
+                "load was reading it (it now lists other data files); nothing was mixed -- load it again"
+            )
+        return CorruptionError(f"data file {path} is missing; the checkpoint is damaged")
 
     def _check_header(self, fidx: int, fd: int, path: str) -> None:
         """The file's safetensors header must describe exactly the chunks the metadata puts in it.
@@ -103,7 +122,8 @@ class DataFiles:
             try:
                 n = os.preadv(fd, [mv[done:]], offset + done)
             except OSError as e:
-                raise StorageError(f"reading {self.path(fidx)} failed: {e.strerror or e}") from e
+                raise StorageError(f"reading data file {self.path(fidx)} failed: {e.strerror or e} (errno {e.errno}) "
+                                   f"while reading {what}; check the storage device and retry") from None
             if n <= 0:
                 raise CorruptionError(f"{self.path(fidx)}: unexpected end of file while reading {what}")
             done += n
@@ -116,3 +136,6 @@ class DataFiles:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            if self._dir_fd is not None:
+                os.close(self._dir_fd)
+                self._dir_fd = None
