@@ -106,8 +106,12 @@ class SaveResult:
         return self._metadata
 
 
-def _write_assigned(tmp: str, rank: int, staged: StagedState, assignment: np.ndarray, opts: SaveOptions) -> bytes:
-    """Write this rank's assigned chunks into 1..files_per_rank data files; return the result message."""
+def _write_assigned(tmp: str, rank: int, staged: StagedState, assignment: np.ndarray, opts: SaveOptions,
+                    per_rank: dict[str, np.ndarray] | None = None) -> bytes:
+    """Write this rank's assigned chunks into 1..files_per_rank data files; return the result message.
+
+    A chunk of a tensor in ``per_rank`` (fqn -> holders) is written as this rank's row of the stacked
+    tensor (see :func:`~hyperdcp.planning.save_plan.plan_global`)."""
     todo = [staged.chunks[i] for i in assignment.tolist()]
     if not todo:
         empty = np.zeros(0, np.int64)
@@ -122,6 +126,12 @@ def _write_assigned(tmp: str, rank: int, staged: StagedState, assignment: np.nda
         chunks = []
         for i in g.tolist():
             st, sh = todo[i]
+            holders = per_rank.get(st.fqn) if per_rank else None
+            if holders is not None:
+                row = int(np.searchsorted(holders, rank))
+                chunks.append(ChunkToWrite(chunk_name(st.fqn, (row,) + tuple(sh.box.offsets), False), st.dtype,
+                                           (1,) + tuple(sh.box.lengths), sh.data))
+                continue
             whole = sh.box.lengths == tuple(st.shape)
             chunks.append(ChunkToWrite(chunk_name(st.fqn, sh.box.offsets, whole), st.dtype, sh.box.lengths, sh.data))
         jobs.append((name, chunks))
@@ -258,7 +268,7 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
 
         wexc, result = None, b""
         try:
-            result = _write_assigned(tmp, rank, staged, assignment, opts)
+            result = _write_assigned(tmp, rank, staged, assignment, opts, per_rank.tensors)
             if per_rank.values:  # this rank's own copies of the values stored per rank travel with its results
                 enc = staged.encoded_values()
                 head, arr = wire.unpack(result)

@@ -68,7 +68,7 @@ def persist_alone(path: str, rank: int, world_size: int, staged: StagedState, mi
         "format": RANK_FORMAT, "version": 1, "save_id": save_id, "rank": rank, "world_size": world_size,
         "checksum_block_bytes": opts.checksum_block_bytes, "files": head["files"], "tensors": tensors,
         "all_tensors": [[t.fqn, t.dtype, list(t.shape)] for t in staged.plan.tensors],
-        "values": values_encoded if rank == 0 else {}, "user": dict(opts.user_metadata), "created_unix": time.time(),
+        "values": values_encoded, "values_every_rank": True, "user": dict(opts.user_metadata), "created_unix": time.time(),
     }
     tmp = mine_file + ".tmp"
     with open(tmp, "wb") as f:
@@ -138,11 +138,28 @@ def merge(path: str) -> Metadata:
             np.array([v[0] for _, v in rows], np.int64), np.array([v[1] for _, v in rows], np.int64),
             np.array([v[2] for _, v in rows], np.int64), [v[3] for _, v in rows],
         ))
-    values = {k: values_codec.decode(v, f"{path}: value {k!r}") for k, v in docs[0]["values"].items()}
+    every = all(docs[r].get("values_every_rank") for r in range(W))
+    values, per_rank = _merge_values(path, [docs[r]["values"] for r in (range(W) if every else [0])])
     meta = Metadata(world_size=W, files=files, tensors=tensors, values=values, checksum_block_bytes=block,
-                    user=dict(docs[0].get("user", {})), created_unix=float(docs[0].get("created_unix", time.time())))
+                    user=dict(docs[0].get("user", {})), created_unix=float(docs[0].get("created_unix", time.time())),
+                    per_rank_values=per_rank)
     # validate like a committed checkpoint (every tensor tiled exactly, files named properly)
     return Metadata.from_json(meta.to_json(), where=f"{path} (merged rank files)")
+
+
+def _merge_values(path: str, per_rank_docs: list[dict]) -> tuple[dict, dict]:
+    """Values every rank saved equal are stored once; the others (different, or saved by some ranks
+    only) per rank. (Rank files written before per-rank values hold values on rank 0 only: shared.)"""
+    values, per_rank = {}, {}
+    keys = sorted({k for d in per_rank_docs for k in d})
+    for k in keys:
+        held = [(r, d[k]) for r, d in enumerate(per_rank_docs) if k in d]
+        first = values_codec.canonical(held[0][1])
+        if len(held) == len(per_rank_docs) and all(values_codec.canonical(v) == first for _, v in held[1:]):
+            values[k] = values_codec.decode(held[0][1], f"{path}: value {k!r}")
+        else:
+            per_rank[k] = {r: values_codec.decode(v, f"{path}: value {k!r} of rank {r}") for r, v in held}
+    return values, per_rank
 
 
 def merged_metadata_bytes(path: str) -> bytes | None:
