@@ -121,8 +121,16 @@ def _save_mixed(rank, world, root):
     return True
 
 
-def test_values_and_tensors_differing_or_held_by_some_ranks(tmp_path):
-    run_ranks(2, _save_mixed, str(tmp_path))
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """A checkpoint saved by 2 ranks with values and tensors that differ, or that one rank holds only."""
+    root = tmp_path_factory.mktemp("mixed")
+    run_ranks(2, _save_mixed, str(root))
+    return root
+
+
+def test_values_and_tensors_differing_or_held_by_some_ranks(mixed):
+    tmp_path = mixed
     meta = hyperdcp.read_metadata(tmp_path / "mixed")
     assert meta.values == {"lr": 0.5}
     assert meta.per_rank_values == {"counter": {0: 10, 1: 11}, "only0": {0: {"rank": 0}}, "only1": {1: {"rank": 1}}}
@@ -164,9 +172,8 @@ def _load_on_three(rank, world, root):
     return back["counter"], back["bias"].tolist()
 
 
-def test_load_per_rank_entries_on_more_ranks_with_a_mapping(tmp_path):
-    run_ranks(2, _save_mixed, str(tmp_path))
-    outs = run_ranks(3, _load_on_three, str(tmp_path))
+def test_load_per_rank_entries_on_more_ranks_with_a_mapping(mixed):
+    outs = run_ranks(3, _load_on_three, str(mixed))
     assert outs == [(10, [0.0] * 3), (11, [1.0] * 3), (10, [0.0] * 3)]
 
 
