@@ -162,6 +162,8 @@ def test_values_and_tensors_differing_or_held_by_some_ranks(mixed):
     assert {"bias", "counter"} <= set(res.unused_keys)
     with pytest.raises(MismatchError, match="per_rank returned 5 for 'counter'"):
         hyperdcp.load({"counter": 0}, tmp_path / "mixed", per_rank=lambda *a: 5)
+    with pytest.raises(TypeError, match="per_rank must be None, 'rank0', 'drop' or fn"):
+        hyperdcp.load({"counter": 0}, tmp_path / "mixed", per_rank="first")
 
 
 def _load_on_three(rank, world, root):
@@ -207,6 +209,10 @@ def _async_none(rank, world, root):
     hyperdcp.async_save(state, f"{root}/a", coordination="none").result(timeout=60)
     back = {"m": torch.zeros(4), "counter": 0, "step": 0, f"only{rank}": None}
     hyperdcp.load(back, f"{root}/a")
+    # a plain tensor that differs cannot be compared without communication: refused, never collapsed
+    hyperdcp.async_save({"bias": torch.full((2,), float(rank))}, f"{root}/b", coordination="none").result(timeout=60)
+    with pytest.raises(hyperdcp.CheckpointError, match=r"tensor 'bias' whole with different contents.*coordination='gloo'"):
+        hyperdcp.load({"bias": torch.zeros(2)}, f"{root}/b")
     return back["counter"], back["step"], back[f"only{rank}"]
 
 

@@ -158,8 +158,6 @@ def saved_rank(fqn: str, saved: Sequence[int], meta: Metadata, coord: Coordinato
         return saved[0]
     if how == "drop":
         return _DROP
-    if not callable(how):
-        raise ValueError(f"per_rank must be None, 'rank0', 'drop' or a function, got {how!r}")
     got = how(fqn, coord.rank, coord.world_size, saved)
     if got is None:
         return _DROP
@@ -236,6 +234,9 @@ def _renamed(d: dict, key_map) -> dict:
 
 def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> LoadResult:
     t0 = time.perf_counter()
+    if opts.per_rank is not None and opts.per_rank not in ("rank0", "drop") and not callable(opts.per_rank):
+        raise TypeError(f"per_rank must be None, 'rank0', 'drop' or fn(key, rank, world_size, saved_ranks), got "
+                        f"{opts.per_rank!r}")
     meta = fetch_metadata(coord, path)
     files = open_files(getattr(meta, "root", "") or path, meta)  # HF sources: the directory of the files; URLs: RemoteFiles
     if opts.key_map is not None:

@@ -15,9 +15,10 @@ import os
 import time
 
 import numpy as np
+import xxhash
 
 from ..coordination import wire
-from ..errors import CheckpointExistsError, FormatError, IncompleteCheckpointError, StorageError
+from ..errors import CheckpointExistsError, FormatError, IncompleteCheckpointError, MismatchError, StorageError
 from ..format.metadata import METADATA_FILE, ChunkTable, FileMeta, Metadata, TensorMeta
 from ..format import values as values_codec
 from ..options import SaveOptions
@@ -68,7 +69,7 @@ def persist_alone(path: str, rank: int, world_size: int, staged: StagedState, mi
         "format": RANK_FORMAT, "version": 1, "save_id": save_id, "rank": rank, "world_size": world_size,
         "checksum_block_bytes": opts.checksum_block_bytes, "files": head["files"], "tensors": tensors,
         "all_tensors": [[t.fqn, t.dtype, list(t.shape)] for t in staged.plan.tensors],
-        "values": values_encoded, "values_every_rank": True, "user": dict(opts.user_metadata), "created_unix": time.time(),
+        "values": values_encoded, "values_every_rank": True, "whole": _whole_digests(staged), "user": dict(opts.user_metadata), "created_unix": time.time(),
     }
     tmp = mine_file + ".tmp"
     with open(tmp, "wb") as f:
@@ -79,6 +80,27 @@ def persist_alone(path: str, rank: int, world_size: int, staged: StagedState, mi
     fsync_dir(path)
     return SaveResult(path, rank, world_size, sum(int(b) for _, b in head["files"]), [n for n, _ in head["files"]],
                       False, time.perf_counter() - t0)
+
+
+def _whole_digests(staged: StagedState) -> dict[str, str]:
+    """xxh3-64 of every tensor this rank holds whole: the merge checks that all holders agree."""
+    return {st.fqn: "%016x" % xxhash.xxh3_64_intdigest(sh.data) for st, sh in staged.chunks
+            if sh.box.lengths == tuple(st.shape) and not any(sh.box.offsets)}
+
+
+def _check_whole(path: str, docs: dict[int, dict], W: int) -> None:
+    """Refuse a tensor that ranks held whole with different contents: this mode stored one copy only."""
+    seen: dict[str, tuple[str, int]] = {}
+    for r in range(W):
+        for fqn, d in docs[r].get("whole", {}).items():
+            first = seen.setdefault(fqn, (d, r))
+            if first[0] != d:
+                raise MismatchError(
+                    f"checkpoint {path!r} (no-collectives mode): ranks {first[1]} and {r} saved tensor {fqn!r} whole with "
+                    "different contents, but this mode writes one copy of a tensor every rank holds whole (it cannot "
+                    "compare them without communication), so it cannot restore each rank's own. Save per-rank tensors "
+                    "with coordination='gloo' or 'file' (they are then stored per rank), or under per-rank keys"
+                )
 
 
 def has_rank_files(path: str) -> bool:
@@ -114,6 +136,7 @@ def merge(path: str) -> Metadata:
         raise IncompleteCheckpointError(
             f"incomplete checkpoint at {path!r} (no-collectives mode): {why}; load an earlier checkpoint"
         )
+    _check_whole(path, docs, W)
     files: list[FileMeta] = []
     acc: dict[str, dict] = {}
     block = int(docs[0]["checksum_block_bytes"])
