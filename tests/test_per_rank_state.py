@@ -239,3 +239,29 @@ def test_per_rank_member_is_validated(tmp_path):
             Metadata.from_json(raw)
     # a checkpoint without per-rank entries is written exactly as before (no new member)
     assert b"per_rank" not in Metadata(world_size=2, files=[], tensors={}, values={"a": 1}).to_json()
+
+
+def test_planner_stores_differing_whole_tensors_as_rows_and_refuses_partial_holders():
+    """At the planner: what differs becomes per rank, and a per-rank tensor must be held whole."""
+    import numpy as np
+
+    from hyperdcp.planning.save_plan import LocalPlan, TensorSpec, classify_per_rank, content_table, plan_global
+
+    w = TensorSpec("w", "F32", (4,))
+    # ranks 0 and 2 hold w whole with one content, rank 1 with another; "step" equal; "pos" differs
+    tables = [content_table(["w"], [d], ["pos", "step"], [p, 5]) for d, p in [(1, 10), (2, 11), (1, 10)]]
+    pr = classify_per_rank(tables, 3)
+    assert pr.values == ["pos"] and {k: v.tolist() for k, v in pr.tensors.items()} == {"w": [0, 1, 2]}
+    # a key only ranks 0 and 1 hold, even with equal values, is per rank; a tensor only some hold is not
+    tables = [content_table(["w"], [1], ["only"], [7]), content_table(["w"], [1], ["only"], [7]),
+              content_table([], [], [], [])]
+    pr = classify_per_rank(tables, 3)
+    assert pr.values == ["only"] and not pr.tensors
+
+    whole = [LocalPlan([w], [], [0], np.array([[0]]), np.array([[4]])) for _ in range(3)]
+    g = plan_global(whole, {"w": np.array([0, 1, 2])})
+    assert g.tensors == [TensorSpec("w", "F32", (3, 4))] and g.per_rank == {"w": (0, 1, 2)}
+    assert g.u_offsets.tolist() == [[0, 0], [1, 0], [2, 0]] and g.u_writer.tolist() == [0, 1, 2]
+    partial = whole[:2] + [LocalPlan([w], [], [0], np.array([[0]]), np.array([[2]]))]
+    with pytest.raises(MismatchError, match="'w' differs between the ranks holding it whole, but rank 2 holds only a part"):
+        plan_global(partial, {"w": np.array([0, 1])})
