@@ -23,20 +23,35 @@ def ref(name: str) -> torch.Tensor:
 
 
 def _issue_example(rank, world, root):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
     torch.manual_seed(rank)
     sd = {f"l{rank}.weight": torch.randn(4, 4)}
     hyperdcp.save(sd, f"{root}/p")
-    return sd[f"l{rank}.weight"]
+    # the no-collectives async mode cannot know which ranks hold a plain tensor (it takes every rank to);
+    # as a DTensor on its stage's mesh the holders are known, and it is written by them
+    stage = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))["dp"]
+    dsd = {f"l{rank}.weight": DTensor.from_local(sd[f"l{rank}.weight"], stage, [Replicate()], run_check=False)}
+    hyperdcp.async_save(dsd, f"{root}/none-dtensor", coordination="none").result(timeout=60)
+    plain = {f"l{rank}.w0": sd[f"l{rank}.weight"]}
+    hyperdcp.async_save(plain, f"{root}/none-plain", coordination="none").result(timeout=60)
+    return sd[f"l{rank}.weight"].tolist()  # a list: a tensor would travel by a shared fd that dies with the rank
 
 
 def test_ranks_saving_different_layer_keys(tmp_path):
     """The issue's example: two ranks, each its own layer; loaded whole in one process."""
-    saved = run_ranks(2, _issue_example, str(tmp_path))
-    back = {"l0.weight": torch.zeros(4, 4), "l1.weight": torch.zeros(4, 4)}
-    hyperdcp.load(back, tmp_path / "p")
-    assert torch.equal(back["l0.weight"], saved[0]) and torch.equal(back["l1.weight"], saved[1])
+    saved = [torch.tensor(t) for t in run_ranks(2, _issue_example, str(tmp_path))]
+    for ckpt in ("p", "none-dtensor"):
+        back = {"l0.weight": torch.zeros(4, 4), "l1.weight": torch.zeros(4, 4)}
+        hyperdcp.load(back, tmp_path / ckpt)
+        assert torch.equal(back["l0.weight"], saved[0]) and torch.equal(back["l1.weight"], saved[1]), ckpt
     meta = hyperdcp.read_metadata(tmp_path / "p")
     assert sorted(meta.tensors) == ["l0.weight", "l1.weight"] and not meta.per_rank_tensors
+    # plain tensors on some ranks in the no-collectives mode: the writer picked for 'l0.w0' (by a hash of
+    # its name among all ranks) is rank 1, which does not hold it -- refused by name, never a silent gap
+    with pytest.raises(hyperdcp.MismatchError, match=r"no rank wrote tensor 'l0.w0' \(held whole by rank\(s\) \[0\]\)"):
+        hyperdcp.read_metadata(tmp_path / "none-plain")
 
 
 def _two_stages(rank, world, root):

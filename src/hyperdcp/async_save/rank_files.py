@@ -154,6 +154,14 @@ def merge(path: str) -> Metadata:
     tensors = {}
     for fqn, a in sorted(acc.items()):
         rows = sorted(a["rows"].items())
+        if not rows and all(a["shape"]):
+            held = [r for r in range(W) if fqn in docs[r].get("whole", {})]
+            raise MismatchError(
+                f"checkpoint {path!r} (no-collectives mode): no rank wrote tensor {fqn!r} (held whole by rank(s) "
+                f"{held[:8]}): this mode takes a plain tensor to be held by every rank and has one of them write it. "
+                "Save a tensor that only some ranks hold (pipeline stages) as a DTensor on those ranks' mesh, or "
+                "with coordination='gloo' or 'file'"
+            )
         nd = len(a["shape"])
         tensors[fqn] = TensorMeta(a["dtype"], a["shape"], ChunkTable(
             np.array([b[0] for b, _ in rows], np.int64).reshape(len(rows), nd),
