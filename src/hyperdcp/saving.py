@@ -1,7 +1,8 @@
 """The save flow shared by :func:`hyperdcp.save` and the async persist processes.
 
 1. *stage*: adapters turn the state dict into chunks with host bytes plus plain values;
-2. *persist*: exchange plan digests; rank 0 takes the target (lock, temporary directory); global
+2. *persist*: exchange plan and content digests (what differs between ranks is stored per rank, see
+   docs/FORMAT.md "Per-rank entries"); rank 0 takes the target (lock, temporary directory); global
    planning (or the cached plan); every rank writes its assigned chunks with checksums and fsyncs;
    rank 0 assembles the metadata and commits. Each step is an exchange in which an error on any rank
    fails the save on every rank, and rank 0 removes the temporary directory.

@@ -4,10 +4,12 @@ Lifecycle of one save (every rank):
 
 1. :meth:`LocalPlan.build` lists the rank's tensors (name, dtype, global shape), the names of its
    plain values, and every non-empty box it holds.
-2. Each rank sends ``digest()`` (16 bytes) to all. If every rank finds the combined key in its
-   :class:`PlanCache`, planning is skipped (the warm path exchanges nothing else).
-3. Otherwise rank 0 gathers the local plans and runs :func:`plan_global`: it validates that ranks agree
-   on keys, shapes and dtypes and that each tensor's boxes tile it exactly, deduplicates boxes by
+2. Each rank sends ``digest()`` (16 bytes) to all, with a digest of its :func:`content_table`; where
+   contents differ, :func:`classify_per_rank` names what is stored per rank. If every rank finds the
+   combined key in its :class:`PlanCache`, planning is skipped (the warm path exchanges nothing else).
+3. Otherwise rank 0 gathers the local plans and runs :func:`plan_global`: it joins the ranks' tables
+   (ranks may hold different keys), validates that they agree on the shapes and dtypes of shared
+   tensors and that each tensor's boxes tile it exactly, deduplicates boxes by
    (tensor, box), and picks one writer per unique box: the only holder if there is one, else the
    holder with the fewest bytes assigned so far, largest boxes first.
 4. Each rank receives its assignment: the indices of the local chunks it writes.
