@@ -114,3 +114,22 @@ def test_two_stages_load_into_one_stage_and_another_split_on_three_ranks(tmp_pat
     back = {n: torch.zeros(SHAPES[n.rsplit(".", 1)[1]]) for n in meta.tensors}
     hyperdcp.load(back, tmp_path / "pp")
     assert all(torch.equal(t, ref(n)) for n, t in back.items())
+
+
+def test_planner_joins_stage_tables_of_different_ranks():
+    """At the planner: stages with tensors of different ranks (dimensions), and a rank holding nothing."""
+    import numpy as np
+
+    from hyperdcp.errors import MismatchError
+    from hyperdcp.planning.save_plan import LocalPlan, TensorSpec, plan_global
+
+    a = LocalPlan([TensorSpec("head.b", "F32", (4,))], ["step"], [0], np.array([[0]]), np.array([[4]]))
+    b = LocalPlan([TensorSpec("emb.w", "F32", (2, 3))], ["step"], [0], np.array([[0, 0]]), np.array([[2, 3]]))
+    idle = LocalPlan([], ["step"], [], np.zeros((0, 0)), np.zeros((0, 0)))
+    g = plan_global([LocalPlan.from_bytes(p.to_bytes()) for p in (a, b, idle)])
+    assert [t.fqn for t in g.tensors] == ["emb.w", "head.b"]
+    assert g.u_writer.tolist() == [1, 0] and [x.tolist() for x in g.assignments] == [[0], [0], []]
+    # ranks that share a tensor still must agree on it
+    b2 = LocalPlan([TensorSpec("head.b", "F32", (5,))], ["step"], [0], np.array([[0]]), np.array([[5]]))
+    with pytest.raises(MismatchError, match=r"'head.b': rank 0 says global shape \[4\] F32, rank 1 says \[5\] F32"):
+        plan_global([a, b2])
