@@ -162,6 +162,11 @@ def test_values_and_tensors_differing_or_held_by_some_ranks(mixed):
     assert {"bias", "counter"} <= set(res.unused_keys)
     with pytest.raises(MismatchError, match="per_rank returned 5 for 'counter'"):
         hyperdcp.load({"counter": 0}, tmp_path / "mixed", per_rank=lambda *a: 5)
+    # renamed keys keep their per-rank copies
+    renamed = {"ctr": 0, "b": torch.zeros(3)}
+    names = {"counter": "ctr", "bias": "b"}
+    hyperdcp.load(renamed, tmp_path / "mixed", key_map=lambda k: names.get(k, k), per_rank=take_last, strict=False)
+    assert renamed["ctr"] == 11 and torch.equal(renamed["b"], torch.ones(3))
     with pytest.raises(TypeError, match="per_rank must be None, 'rank0', 'drop' or fn"):
         hyperdcp.load({"counter": 0}, tmp_path / "mixed", per_rank="first")
 
