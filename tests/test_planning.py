@@ -88,9 +88,12 @@ def test_ranks_must_agree_on_shapes_and_keys():
     b = plan([TensorSpec("w", "F32", (8, 5))], [(0, (0, 0), (8, 5))])
     with pytest.raises(MismatchError, match=r"rank 1 says \[8, 5\]"):
         plan_global([a, b])
+    # keys held by some ranks only are allowed (issue 10); a key must not change kind between ranks
     c = plan(W2, [(0, (0, 0), (8, 4))], values=("other",))
-    with pytest.raises(MismatchError, match="different keys"):
-        plan_global([a, c])
+    assert plan_global([a, c]).value_keys == ["other", "step"]
+    e = LocalPlan([], ["w"], [], np.zeros((0, 0)), np.zeros((0, 0)))
+    with pytest.raises(MismatchError, match="'w' is a tensor on rank 0 and a plain value on rank 1"):
+        plan_global([a, e])
 
 
 def test_local_plan_round_trips_through_bytes():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -22,7 +22,8 @@ from . import adapters, hf
 from .adapters.state_dict import TENSOR, LoadLeaf, leaves_for_load
 from .async_save.rank_files import has_rank_files
 from .coordination.base import Coordinator, broadcast_checked, run_checked
-from .core.shards import ShardedTensor
+from .core.boxes import Box
+from .core.shards import LocalShard, ShardedTensor
 from .errors import CorruptionError, MismatchError, StateDictError
 from .exchange import read_once
 from .format.metadata import METADATA_FILE, Metadata
@@ -164,6 +165,48 @@ class LoadTargets:
     used: set[str]
 
 
+_DROP, _ABSENT = object(), object()
+
+
+def saved_rank(fqn: str, saved: Sequence[int], meta: Metadata, coord: Coordinator, opts: LoadOptions) -> Any:
+    """The saving rank whose copy of per-rank entry ``fqn`` this rank loads, ``_DROP`` or ``_ABSENT``.
+
+    With the world size of the save each rank takes its own copy (``_ABSENT`` when it saved none);
+    otherwise ``opts.per_rank`` decides, and without it the load fails naming the key.
+    """
+    saved = tuple(int(r) for r in saved)
+    if meta.world_size == coord.world_size:
+        return coord.rank if coord.rank in saved else _ABSENT
+    how = opts.per_rank
+    if how is None:
+        raise MismatchError(
+            f"{fqn!r} was saved per rank (it differed between the {meta.world_size} saving ranks, or only ranks "
+            f"{list(saved[:8])}{' ...' if len(saved) > 8 else ''} held it), and this load runs on {coord.world_size} "
+            "ranks, so which saved copy each rank should get is not defined. Pass per_rank='rank0' (every rank "
+            "takes the copy of the lowest saving rank), per_rank='drop' (leave it as it is), or "
+            "per_rank=fn(key, rank, world_size, saved_ranks) returning the saving rank to take"
+        )
+    if how == "rank0":
+        return saved[0]
+    if how == "drop":
+        return _DROP
+    got = how(fqn, coord.rank, coord.world_size, saved)
+    if got is None:
+        return _DROP
+    if type(got) is not int or got not in saved:
+        raise MismatchError(
+            f"per_rank returned {got!r} for {fqn!r} on rank {coord.rank}; it must return one of the saving ranks "
+            f"{list(saved[:8])}{' ...' if len(saved) > 8 else ''} or None"
+        )
+    return got
+
+
+def _per_rank_view(st: ShardedTensor, saved: tuple[int, ...], row: int) -> ShardedTensor:
+    """``st`` as row ``row`` of a tensor stored per rank (one leading dimension more, ``len(saved)`` rows)."""
+    shards = [LocalShard(Box((row,) + sh.box.offsets, (1,) + sh.box.lengths), sh.data, None) for sh in st.shards]
+    return ShardedTensor(st.fqn, st.dtype, (len(saved),) + tuple(st.shape), shards, st.finish, layout=None)
+
+
 def plan_targets(leaves: list[LoadLeaf], meta: Metadata, coord: Coordinator, opts: LoadOptions) -> LoadTargets:
     index = TensorIndex(meta)
     out = LoadTargets({}, [], [], [], set())
@@ -171,15 +214,33 @@ def plan_targets(leaves: list[LoadLeaf], meta: Metadata, coord: Coordinator, opt
         fqn = leaf.fqn
         if leaf.kind == TENSOR:
             if fqn not in meta.tensors:
-                if fqn in meta.values:
+                if fqn in meta.values or fqn in meta.per_rank_values:
                     raise MismatchError(f"{fqn!r} is a tensor in the state dict but a plain value in the checkpoint")
                 out.missing.append(fqn)
                 continue
             st = adapters.to_sharded(fqn, leaf.value, coord, for_load=True)
             stored = meta.tensors[fqn]
+            saved = meta.per_rank_tensors.get(fqn)
+            if saved is not None:
+                who = saved_rank(fqn, saved, meta, coord, opts)
+                if who is _ABSENT:
+                    out.missing.append(fqn)
+                    continue
+                if who is _DROP:
+                    continue
+                st = _per_rank_view(st, saved, saved.index(who))
             check_compatible(fqn, st, stored, opts.allow_cast)
             out.tensors[fqn] = st
             out.pieces.extend(pieces_for(st, index.get(fqn), stored))
+        elif fqn in meta.per_rank_values:
+            by_rank = meta.per_rank_values[fqn]
+            who = saved_rank(fqn, sorted(by_rank), meta, coord, opts)
+            if who is _ABSENT:
+                out.missing.append(fqn)
+                continue
+            if who is _DROP:
+                continue
+            out.values.append((leaf, by_rank[who]))
         elif fqn in meta.values:
             out.values.append((leaf, meta.values[fqn]))
         elif fqn in meta.tensors:
@@ -194,14 +255,29 @@ def plan_targets(leaves: list[LoadLeaf], meta: Metadata, coord: Coordinator, opt
     return out
 
 
+def _renamed(d: dict, key_map) -> dict:
+    out = {}
+    for k, v in d.items():
+        new = key_map(k)
+        if new is not None:
+            out[new] = v
+    return out
+
+
 def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> LoadResult:
     t0 = time.perf_counter()
+    if opts.per_rank is not None and opts.per_rank not in ("rank0", "drop") and not callable(opts.per_rank):
+        raise TypeError(f"per_rank must be None, 'rank0', 'drop' or fn(key, rank, world_size, saved_ranks), got "
+                        f"{opts.per_rank!r}")
     meta, wrong_path = fetch_metadata_checked(coord, path)  # wrong_path: raised by the planning step, everywhere
     files = open_files(getattr(meta, "root", "") or path, meta)  # HF sources: the directory of the files; URLs: RemoteFiles
     if opts.key_map is not None:
         from .hf import rename_keys
 
         meta = rename_keys(meta, opts.key_map)
+        if meta.per_rank_values or meta.per_rank_tensors:
+            meta = replace(meta, per_rank_values=_renamed(meta.per_rank_values, opts.key_map),
+                           per_rank_tensors=_renamed(meta.per_rank_tensors, opts.key_map))
     if not getattr(meta, "has_checksums", True):  # HF safetensors files carry no hyperdcp checksums
         opts = replace(opts, verify_checksums=False)
     try:

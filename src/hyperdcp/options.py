@@ -50,6 +50,13 @@ class LoadOptions:
     #: rename checkpoint keys before matching them to the state dict: ``key_map(name) -> new name``
     #: (None drops the key), e.g. to load HuggingFace names into a model with other names
     key_map: Callable[[str], str | None] | None = None
+    #: entries stored per rank (values or plain tensors that differed between the saving ranks, keys only
+    #: some ranks held), when loading on another number of ranks than saved them: None raises an error
+    #: naming the key; ``"rank0"`` gives every rank the copy of the lowest saving rank; ``"drop"`` leaves
+    #: them untouched (listed in ``unused_keys``); or ``fn(key, rank, world_size, saved_ranks)`` returning
+    #: the saving rank whose copy ``rank`` gets (None: leave it untouched). With the same number of ranks
+    #: every rank gets back its own copy (a key its rank did not save is missing), whatever this says
+    per_rank: str | Callable[[str, int, int, tuple[int, ...]], int | None] | None = None
 
 
 def resolve(cls, options, overrides: dict[str, Any]):

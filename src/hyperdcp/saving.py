@@ -1,7 +1,8 @@
 """The save flow shared by :func:`hyperdcp.save` and the async persist processes.
 
 1. *stage*: adapters turn the state dict into chunks with host bytes plus plain values;
-2. *persist*: exchange plan digests; rank 0 takes the target (lock, temporary directory); global
+2. *persist*: exchange plan and content digests (what differs between ranks is stored per rank, see
+   docs/FORMAT.md "Per-rank entries"); rank 0 takes the target (lock, temporary directory); global
    planning (or the cached plan); every rank writes its assigned chunks with checksums and fsyncs;
    rank 0 assembles the metadata and commits. Each step is an exchange in which an error on any rank
    fails the save on every rank, and rank 0 removes the temporary directory.
@@ -12,9 +13,10 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
+import xxhash
 
 from . import adapters
 from .adapters.state_dict import TENSOR, iter_leaves
@@ -27,7 +29,7 @@ from .format import values as values_codec
 from .format.metadata import MAX_DIMS, MAX_TENSOR_BYTES, ChunkTable, FileMeta, Metadata, TensorMeta
 from .options import SaveOptions
 from .path_identity import DIGEST_BYTES, mismatch_among, path_digest
-from .planning.save_plan import GlobalPlan, LocalPlan, PlanCache, plan_global
+from .planning.save_plan import GlobalPlan, LocalPlan, PerRank, PlanCache, classify_per_rank, content_table, plan_global
 from .storage.commit import SaveTarget, load_metadata
 from .storage.data_file import ChunkToWrite, chunk_name, data_file_name, save_token, write_data_file
 from .storage.threads import run_all
@@ -40,6 +42,28 @@ class StagedState:
     plan: LocalPlan
     chunks: list[tuple[ShardedTensor, LocalShard]]
     values: dict[str, Any]
+    #: the values encoded (tagged JSON); computed when first needed
+    encoded: dict[str, list] | None = None
+
+    def encoded_values(self) -> dict[str, list]:
+        if self.encoded is None:
+            self.encoded = {k: values_codec.encode(v, k) for k, v in self.values.items()}
+        return self.encoded
+
+    def content(self) -> bytes:
+        """This rank's content table: a digest of every tensor it holds whole and of every value.
+
+        Compared across ranks to find what differs between them (and so is stored per rank): a tensor
+        every rank claims to hold whole (a plain tensor, a replicated DTensor) is checked, not trusted.
+        """
+        tkeys, tdig = [], []
+        for st, sh in self.chunks:
+            if sh.box.lengths == tuple(st.shape) and not any(sh.box.offsets):
+                tkeys.append(st.fqn)
+                tdig.append(xxhash.xxh3_64_intdigest(sh.data))
+        enc = self.encoded_values()
+        vkeys = sorted(enc)
+        return content_table(tkeys, tdig, vkeys, [values_codec.digest(enc[k]) for k in vkeys])
 
     @property
     def nbytes(self) -> int:
@@ -66,7 +90,7 @@ def stage(state_dict: Any, ctx: Coordinator) -> StagedState:
     """Describe ``state_dict`` for saving (no copies of CPU tensors; device tensors come to host)."""
     if not isinstance(state_dict, dict) and not hasattr(state_dict, "state_dict"):
         raise StateDictError(f"the state dict must be a dict (or an object with state_dict()), got {type(state_dict).__name__}")
-    tensors, vals = [], {}
+    tensors, vals, enc = [], {}, {}
     for fqn, kind, v in iter_leaves(state_dict):
         if kind == TENSOR:
             st = adapters.to_sharded(fqn, v, ctx, for_load=False)
@@ -75,10 +99,10 @@ def stage(state_dict: Any, ctx: Coordinator) -> StagedState:
                 check_shard_buffer(fqn, sh, st.dtype)
             tensors.append(st)
         else:
-            values_codec.encode(v, fqn)
+            enc[fqn] = values_codec.encode(v, fqn)
             vals[fqn] = v
     plan, chunks = LocalPlan.build(tensors, list(vals))
-    return StagedState(plan, chunks, vals)
+    return StagedState(plan, chunks, vals, enc)
 
 
 @dataclass
@@ -106,12 +130,13 @@ class SaveResult:
                 f"bytes_written={self.bytes_written}, files_written={len(self.files_written)}, "
                 f"plan_cache_hit={self.plan_cache_hit}, seconds={self.seconds:.3f})")
 
-
 def _write_assigned(tmp: str, rank: int, staged: StagedState, assignment: np.ndarray, opts: SaveOptions,
-                    token: str = "") -> bytes:
+                    token: str = "", per_rank: dict[str, np.ndarray] | None = None) -> bytes:
     """Write this rank's assigned chunks into 1..files_per_rank data files; return the result message.
 
-    ``token`` (unique per save, the same on every rank) goes into the file names: see data_file_name."""
+    ``token`` (unique per save, the same on every rank) goes into the file names: see data_file_name.
+    A chunk of a tensor in ``per_rank`` (fqn -> holders) is written as this rank's row of the stacked
+    tensor (see :func:`~hyperdcp.planning.save_plan.plan_global`)."""
     todo = [staged.chunks[i] for i in assignment.tolist()]
     if not todo:
         empty = np.zeros(0, np.int64)
@@ -126,6 +151,12 @@ def _write_assigned(tmp: str, rank: int, staged: StagedState, assignment: np.nda
         chunks = []
         for i in g.tolist():
             st, sh = todo[i]
+            holders = per_rank.get(st.fqn) if per_rank else None
+            if holders is not None:
+                row = int(np.searchsorted(holders, rank))
+                chunks.append(ChunkToWrite(chunk_name(st.fqn, (row,) + tuple(sh.box.offsets), False), st.dtype,
+                                           (1,) + tuple(sh.box.lengths), sh.data))
+                continue
             whole = sh.box.lengths == tuple(st.shape)
             chunks.append(ChunkToWrite(chunk_name(st.fqn, sh.box.offsets, whole), st.dtype, sh.box.lengths, sh.data))
         jobs.append((name, chunks))
@@ -143,14 +174,24 @@ def _write_assigned(tmp: str, rank: int, staged: StagedState, assignment: np.nda
     )
 
 
-def build_metadata(plan: GlobalPlan, results: list[bytes], values: dict, opts: SaveOptions) -> Metadata:
-    """Join the global plan with every rank's write results into the checkpoint metadata."""
+def build_metadata(plan: GlobalPlan, results: list[bytes], values: dict, opts: SaveOptions,
+                   per_rank_values: Sequence[str] = ()) -> Metadata:
+    """Join the global plan with every rank's write results into the checkpoint metadata.
+
+    ``values`` are rank 0's; those named in ``per_rank_values`` are taken from every rank's result
+    instead (each rank sends its own, see :func:`persist`).
+    """
     W = plan.world_size
     files: list[FileMeta] = []
     file_base = np.zeros(W, np.int64)
     fl, bl, el, sums = [], [], [], []
+    pr_set = set(per_rank_values)
+    pr_vals: dict[str, dict[int, Any]] = {k: {} for k in sorted(pr_set)}
     for r, raw in enumerate(results):
         head, arr = wire.unpack(raw)
+        for k, v in head.get("values", {}).items():
+            if k in pr_set:
+                pr_vals[k][r] = values_codec.decode(v, f"value {k!r} sent by rank {r}")
         file_base[r] = len(files)
         files.extend(FileMeta(n, int(b)) for n, b in head["files"])
         fl.append(arr["file"] + file_base[r])
@@ -177,9 +218,11 @@ def build_metadata(plan: GlobalPlan, results: list[bytes], values: dict, opts: S
         world_size=W,
         files=files,
         tensors=tensors,
-        values=values,
+        values={k: v for k, v in values.items() if k not in pr_set},
         checksum_block_bytes=opts.checksum_block_bytes,
         user=dict(opts.user_metadata),
+        per_rank_values={k: v for k, v in pr_vals.items() if v},
+        per_rank_tensors=dict(plan.per_rank),
     )
 
 
@@ -190,20 +233,35 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
     W, rank = coord.world_size, coord.rank
     target = SaveTarget(path, overwrite=opts.overwrite) if rank == 0 else None
 
+    content = b""
+
     def fail_local():
+        nonlocal content
         if isinstance(staged, BaseException):
             raise staged
-        return staged.plan.digest(W) + (path_digest(path) if W > 1 else b"")
+        if W == 1:
+            return staged.plan.digest(W)
+        content = staged.content()
+        # every rank must save to the same path: its digest rides on this exchange, last
+        return staged.plan.digest(W) + xxhash.xxh3_128(content).digest() + path_digest(path)
 
     try:
-        digests = all_gather_checked(coord, "staging the state dict", fail_local)
-        if W > 1:  # every rank must save to the same path (the digest rides on this exchange)
-            wrong = mismatch_among(path, [d[-DIGEST_BYTES:] for d in digests], rank, "save")
+        records = all_gather_checked(coord, "staging the state dict", fail_local)
+        if W > 1:
+            wrong = mismatch_among(path, [r[-DIGEST_BYTES:] for r in records], rank, "save")
             if wrong is not None:
                 raise _everywhere(wrong)
-            digests = [d[:-DIGEST_BYTES] for d in digests]
+            records = [r[:-DIGEST_BYTES] for r in records]
         assert isinstance(staged, StagedState)
-        key = PlanCache.key(digests)
+        digests = [r[:16] for r in records]
+        per_rank = PerRank()
+        if any(r[16:] != records[0][16:] for r in records):  # some content differs: find what, store it per rank
+            tables = coord.gather(content, 0)
+            per_rank = PerRank.from_bytes(broadcast_checked(
+                coord, "comparing what the ranks save", lambda: classify_per_rank(tables, W).to_bytes(), 0))
+        # the plan depends on the tensors stored per rank, never on the values: their digests are compared
+        # at every save, cached or not
+        key = PlanCache.key(digests + ([per_rank.tensor_key()] if per_rank.tensors else []))
         cached = cache.get(key) if (cache is not None and opts.plan_cache) else None
 
         def prepare() -> bytes:
@@ -227,7 +285,7 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
             if rank == 0:
                 try:
                     tables: dict = {}
-                    gplan = plan_global([LocalPlan.from_bytes(b, tables) for b in gathered])
+                    gplan = plan_global([LocalPlan.from_bytes(b, tables) for b in gathered], per_rank.tensors)
                     parts = [pack_status(wire.pack({}, {"a": a}), None) for a in gplan.assignments]
                 except Exception as e:  # noqa: BLE001
                     exc = e
@@ -241,7 +299,13 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
 
         wexc, result = None, b""
         try:
-            result = _write_assigned(tmp, rank, staged, assignment, opts, save_token(os.path.basename(tmp)))
+            result = _write_assigned(tmp, rank, staged, assignment, opts, token=save_token(os.path.basename(tmp)),
+                                     per_rank=per_rank.tensors)
+            if per_rank.values:  # this rank's own copies of the values stored per rank travel with its results
+                enc = staged.encoded_values()
+                head, arr = wire.unpack(result)
+                head["values"] = {k: enc[k] for k in per_rank.values if k in enc}
+                result = wire.pack(head, arr)
         except Exception as e:  # noqa: BLE001
             wexc = e
         results = coord.gather(pack_status(result, wexc), 0)
@@ -253,7 +317,7 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
             bad = [r for r, m in enumerate(results) if m[:1] != b"\x00"]
             if bad:
                 unpack_status(results[bad[0]], coord, f"writing data files of {path!r}", bad[0])
-            meta = build_metadata(gplan, [m[1:] for m in results], staged.values, opts)
+            meta = build_metadata(gplan, [m[1:] for m in results], staged.values, opts, per_rank.values)
             target.commit(meta.to_json())
             return b""
 

@@ -15,9 +15,11 @@ import os
 import time
 
 import numpy as np
+import xxhash
 
 from ..coordination import wire
-from ..errors import CheckpointError, CheckpointExistsError, FormatError, IncompleteCheckpointError, StorageError
+from ..errors import (CheckpointError, CheckpointExistsError, FormatError, IncompleteCheckpointError, MismatchError,
+                      StorageError)
 from ..format.metadata import (METADATA_FILE, ChunkTable, FileMeta, Metadata, TensorMeta, load_signed_json,
                                max_metadata_bytes, sign_json)
 from ..format import values as values_codec
@@ -74,7 +76,7 @@ def persist_alone(path: str, rank: int, world_size: int, staged: StagedState, mi
         "format": RANK_FORMAT, "version": 1, "save_id": save_id, "rank": rank, "world_size": world_size,
         "checksum_block_bytes": opts.checksum_block_bytes, "files": head["files"], "tensors": tensors,
         "all_tensors": [[t.fqn, t.dtype, list(t.shape)] for t in staged.plan.tensors],
-        "values": values_encoded if rank == 0 else {}, "user": dict(opts.user_metadata), "created_unix": time.time(),
+        "values": values_encoded, "values_every_rank": True, "whole": _whole_digests(staged), "user": dict(opts.user_metadata), "created_unix": time.time(),
     }
     tmp = mine_file + ".tmp"
     with open(tmp, "wb") as f:
@@ -85,6 +87,27 @@ def persist_alone(path: str, rank: int, world_size: int, staged: StagedState, mi
     fsync_dir(path)
     return SaveResult(path, rank, world_size, sum(int(b) for _, b in head["files"]), [n for n, _ in head["files"]],
                       False, time.perf_counter() - t0)
+
+
+def _whole_digests(staged: StagedState) -> dict[str, str]:
+    """xxh3-64 of every tensor this rank holds whole: the merge checks that all holders agree."""
+    return {st.fqn: "%016x" % xxhash.xxh3_64_intdigest(sh.data) for st, sh in staged.chunks
+            if sh.box.lengths == tuple(st.shape) and not any(sh.box.offsets)}
+
+
+def _check_whole(path: str, docs: dict[int, dict], W: int) -> None:
+    """Refuse a tensor that ranks held whole with different contents: this mode stored one copy only."""
+    seen: dict[str, tuple[str, int]] = {}
+    for r in range(W):
+        for fqn, d in docs[r].get("whole", {}).items():
+            first = seen.setdefault(fqn, (d, r))
+            if first[0] != d:
+                raise MismatchError(
+                    f"checkpoint {path!r} (no-collectives mode): ranks {first[1]} and {r} saved tensor {fqn!r} whole with "
+                    "different contents, but this mode writes one copy of a tensor every rank holds whole (it cannot "
+                    "compare them without communication), so it cannot restore each rank's own. Save per-rank tensors "
+                    "with coordination='gloo' or 'file' (they are then stored per rank), or under per-rank keys"
+                )
 
 
 def has_rank_files(path: str) -> bool:
@@ -185,6 +208,7 @@ def _merge(path: str) -> Metadata:
             f"incomplete checkpoint at {path!r} (no-collectives mode): rank file(s) of rank(s) {missing} "
             f"({W - len(docs)} in all) of {W} are missing (those ranks' saves did not finish); load an earlier checkpoint"
         )
+    _check_whole(path, docs, W)
     files: list[FileMeta] = []
     acc: dict[str, dict] = {}
     block = int(docs[0]["checksum_block_bytes"])
@@ -202,6 +226,14 @@ def _merge(path: str) -> Metadata:
     tensors = {}
     for fqn, a in sorted(acc.items()):
         rows = sorted(a["rows"].items())
+        if not rows and all(a["shape"]):
+            held = [r for r in range(W) if fqn in docs[r].get("whole", {})]
+            raise MismatchError(
+                f"checkpoint {path!r} (no-collectives mode): no rank wrote tensor {fqn!r} (held whole by rank(s) "
+                f"{held[:8]}): this mode takes a plain tensor to be held by every rank and has one of them write it. "
+                "Save a tensor that only some ranks hold (pipeline stages) as a DTensor on those ranks' mesh, or "
+                "with coordination='gloo' or 'file'"
+            )
         nd = len(a["shape"])
         tensors[fqn] = TensorMeta(a["dtype"], a["shape"], ChunkTable(
             np.array([b[0] for b, _ in rows], np.int64).reshape(len(rows), nd),
@@ -209,11 +241,28 @@ def _merge(path: str) -> Metadata:
             np.array([v[0] for _, v in rows], np.int64), np.array([v[1] for _, v in rows], np.int64),
             np.array([v[2] for _, v in rows], np.int64), [v[3] for _, v in rows],
         ))
-    values = {k: values_codec.decode(v, f"{path}: value {k!r}") for k, v in docs[0]["values"].items()}
+    every = all(docs[r].get("values_every_rank") for r in range(W))
+    values, per_rank = _merge_values(path, [docs[r]["values"] for r in (range(W) if every else [0])])
     meta = Metadata(world_size=W, files=files, tensors=tensors, values=values, checksum_block_bytes=block,
-                    user=dict(docs[0].get("user", {})), created_unix=float(docs[0].get("created_unix", time.time())))
+                    user=dict(docs[0].get("user", {})), created_unix=float(docs[0].get("created_unix", time.time())),
+                    per_rank_values=per_rank)
     # validate like a committed checkpoint (every tensor tiled exactly, files named properly)
     return Metadata.from_json(meta.to_json(), where=f"{path} (merged rank files)")
+
+
+def _merge_values(path: str, per_rank_docs: list[dict]) -> tuple[dict, dict]:
+    """Values every rank saved equal are stored once; the others (different, or saved by some ranks
+    only) per rank. (Rank files written before per-rank values hold values on rank 0 only: shared.)"""
+    values, per_rank = {}, {}
+    keys = sorted({k for d in per_rank_docs for k in d})
+    for k in keys:
+        held = [(r, d[k]) for r, d in enumerate(per_rank_docs) if k in d]
+        first = values_codec.canonical(held[0][1])
+        if len(held) == len(per_rank_docs) and all(values_codec.canonical(v) == first for _, v in held[1:]):
+            values[k] = values_codec.decode(held[0][1], f"{path}: value {k!r}")
+        else:
+            per_rank[k] = {r: values_codec.decode(v, f"{path}: value {k!r} of rank {r}") for r, v in held}
+    return values, per_rank
 
 
 def merged_metadata_bytes(path: str) -> bytes | None:

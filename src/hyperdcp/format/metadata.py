@@ -104,6 +104,12 @@ class Metadata:
     library_version: str = __version__
     created_unix: float = field(default_factory=time.time)
     user: dict[str, Any] = field(default_factory=dict)
+    #: plain values stored per rank (they differed between ranks, or only some ranks held them):
+    #: fqn -> {saving rank: value}
+    per_rank_values: dict[str, dict[int, Any]] = field(default_factory=dict)
+    #: tensors stored per rank (every holder held it whole, with different contents): fqn -> the saving
+    #: ranks; the stored tensor has one leading dimension more, row i holding rank ``ranks[i]``'s copy
+    per_rank_tensors: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     # -- summaries -------------------------------------------------------------------------
     @property
@@ -120,7 +126,7 @@ class Metadata:
         return sum(len(t.chunks) for t in self.tensors.values())
 
     def keys(self) -> list[str]:
-        return sorted(set(self.tensors) | set(self.values))
+        return sorted(set(self.tensors) | set(self.values) | set(self.per_rank_values))
 
     # -- encoding --------------------------------------------------------------------------
     def to_json(self) -> bytes:
@@ -151,6 +157,8 @@ class Metadata:
             "values": {k: values_codec.encode(v, k) for k, v in self.values.items()},
             "user": self.user,
         }
+        if self.per_rank_values or self.per_rank_tensors:
+            doc["per_rank"] = _per_rank_doc(self)
         body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("utf-8")
         body = body[:-1] + b',"metadata_checksum":"' + _ZERO + b'"}\n'
         digest = b"%016x" % xxhash.xxh3_64_intdigest(body)
@@ -267,6 +275,7 @@ def _parse(raw: bytes, where: str) -> Metadata:
         raise bad("user must be an object")
     lib = doc.get("library_version")
     created = doc.get("created_unix")
+    pr_values, pr_tensors = _parse_per_rank(doc.get("per_rank"), tensors, vals, world, where, bad)
     return Metadata(
         world_size=world,
         files=files,
@@ -277,7 +286,51 @@ def _parse(raw: bytes, where: str) -> Metadata:
         library_version=lib if isinstance(lib, str) else "?",
         created_unix=float(created) if type(created) in (int, float) else 0.0,
         user=user,
+        per_rank_values=pr_values,
+        per_rank_tensors=pr_tensors,
     )
+
+
+def _per_rank_doc(meta: Metadata) -> dict:
+    """The ``per_rank`` member (see docs/FORMAT.md, "Per-rank entries")."""
+    return {
+        "values": {k: [[r, values_codec.encode(v, k)] for r, v in sorted(by_rank.items())]
+                   for k, by_rank in meta.per_rank_values.items()},
+        "tensors": {k: [int(r) for r in ranks] for k, ranks in meta.per_rank_tensors.items()},
+    }
+
+
+def _parse_per_rank(doc: Any, tensors: dict[str, TensorMeta], vals: dict[str, Any], world: int, where: str,
+                    bad) -> tuple[dict[str, dict[int, Any]], dict[str, tuple[int, ...]]]:
+    """Validate the optional ``per_rank`` member: its values and the saving ranks of its tensors."""
+    if doc is None:
+        return {}, {}
+    if not isinstance(doc, dict) or not isinstance(doc.get("values", {}), dict) or not isinstance(doc.get("tensors", {}), dict):
+        raise bad("per_rank must be an object with 'values' and 'tensors' objects")
+
+    def ranks_ok(rs: Any) -> bool:
+        return (isinstance(rs, list) and len(rs) > 0 and all(type(r) is int and 0 <= r < world for r in rs)
+                and all(a < b for a, b in zip(rs, rs[1:])))
+
+    pr_tensors: dict[str, tuple[int, ...]] = {}
+    for k, rs in doc.get("tensors", {}).items():
+        t = tensors.get(k)
+        if t is None:
+            raise bad(f"per_rank tensor {k!r} is not among the tensors")
+        if not ranks_ok(rs) or not t.shape or t.shape[0] != len(rs):
+            raise bad(f"per_rank tensor {k!r}: its ranks must be distinct increasing ranks below world_size {world}, "
+                      f"one per row of its leading dimension (shape {list(t.shape)})")
+        pr_tensors[k] = tuple(rs)
+    pr_values: dict[str, dict[int, Any]] = {}
+    for k, items in doc.get("values", {}).items():
+        if k in vals or k in tensors:
+            raise bad(f"key {k!r} is both a per-rank value and a tensor or shared value")
+        if not isinstance(items, list) or not all(isinstance(it, list) and len(it) == 2 for it in items):
+            raise bad(f"per_rank value {k!r} must be a list of [rank, value] pairs")
+        if not ranks_ok([it[0] for it in items]):
+            raise bad(f"per_rank value {k!r}: ranks must be distinct increasing ranks below world_size {world}")
+        pr_values[k] = {it[0]: values_codec.decode(it[1], f"{where}: value {k!r} of rank {it[0]}") for it in items}
+    return pr_values, pr_tensors
 
 
 def _parse_tensors_fast(doc: dict, nfiles: int, block: int) -> dict[str, TensorMeta] | None:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ..core import dtypes
 from ..errors import FormatError, StateDictError
@@ -119,3 +121,13 @@ def decode(obj: Any, where: str = "metadata", _depth: int = 0) -> Any:
     except (ValueError, binascii.Error, OverflowError, UnicodeError) as e:
         raise bad(str(e)) from None
     raise bad(f"unknown tag {tag!r} or payload")
+
+
+def canonical(encoded: list) -> bytes:
+    """The bytes that identify an encoded value (compact JSON): equal values give equal bytes."""
+    return json.dumps(encoded, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def digest(encoded: list) -> int:
+    """A 64-bit digest of an encoded value, compared across ranks to find values that differ."""
+    return xxhash.xxh3_64_intdigest(canonical(encoded))

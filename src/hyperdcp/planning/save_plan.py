@@ -4,10 +4,12 @@ Lifecycle of one save (every rank):
 
 1. :meth:`LocalPlan.build` lists the rank's tensors (name, dtype, global shape), the names of its
    plain values, and every non-empty box it holds.
-2. Each rank sends ``digest()`` (16 bytes) to all. If every rank finds the combined key in its
-   :class:`PlanCache`, planning is skipped (the warm path exchanges nothing else).
-3. Otherwise rank 0 gathers the local plans and runs :func:`plan_global`: it validates that ranks agree
-   on keys, shapes and dtypes and that each tensor's boxes tile it exactly, deduplicates boxes by
+2. Each rank sends ``digest()`` (16 bytes) to all, with a digest of its :func:`content_table`; where
+   contents differ, :func:`classify_per_rank` names what is stored per rank. If every rank finds the
+   combined key in its :class:`PlanCache`, planning is skipped (the warm path exchanges nothing else).
+3. Otherwise rank 0 gathers the local plans and runs :func:`plan_global`: it joins the ranks' tables
+   (ranks may hold different keys), validates that they agree on the shapes and dtypes of shared
+   tensors and that each tensor's boxes tile it exactly, deduplicates boxes by
    (tensor, box), and picks one writer per unique box: the only holder if there is one, else the
    holder with the fewest bytes assigned so far, largest boxes first.
 4. Each rank receives its assignment: the indices of the local chunks it writes.
@@ -22,7 +24,7 @@ import heapq
 import json
 import struct
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -158,6 +160,7 @@ class GlobalPlan:
     u_writer: np.ndarray  # (U,) rank writing the chunk
     u_slot: np.ndarray  # (U,) position of the chunk in its writer's assignment
     assignments: list[np.ndarray]  # per rank: local chunk indices to write, in order
+    per_rank: dict[str, tuple[int, ...]] = field(default_factory=dict)  # tensors stored per rank: holders
 
     @property
     def bytes_per_rank(self) -> np.ndarray:
@@ -176,7 +179,7 @@ class GlobalPlan:
         flat = np.concatenate(self.assignments).astype(np.int64) if self.assignments else np.zeros(0, np.int64)
         return wire.pack(
             {"world_size": self.world_size, "tensors": [[t.fqn, t.dtype, list(t.shape)] for t in self.tensors],
-             "value_keys": self.value_keys},
+             "value_keys": self.value_keys, "per_rank": {k: list(v) for k, v in self.per_rank.items()}},
             {"u_tidx": self.u_tidx, "u_offsets": self.u_offsets, "u_lengths": self.u_lengths, "u_writer": self.u_writer,
              "u_slot": self.u_slot, "a_counts": counts, "a_flat": flat},
         )
@@ -194,6 +197,7 @@ class GlobalPlan:
             list(head["value_keys"]),
             arr["u_tidx"], arr["u_offsets"], arr["u_lengths"], arr["u_writer"], arr["u_slot"],
             [flat[starts[r]:starts[r + 1]] for r in range(len(arr["a_counts"]))],
+            {k: tuple(v) for k, v in head.get("per_rank", {}).items()},
         )
 
 
@@ -206,28 +210,97 @@ def _mix(x: np.ndarray, seed: int) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def _table_mismatch(plans: Sequence[LocalPlan]) -> MismatchError:
-    ref = {t.fqn: t for t in plans[0].tensors}
-    ref_vals = set(plans[0].value_keys)
-    for r, p in enumerate(plans[1:], start=1):
-        mine = {t.fqn: t for t in p.tensors}
-        only0 = sorted((set(ref) | ref_vals) - (set(mine) | set(p.value_keys)))
-        onlyr = sorted((set(mine) | set(p.value_keys)) - (set(ref) | ref_vals))
-        if only0 or onlyr:
-            return MismatchError(
-                f"ranks passed different keys to save: rank 0 has {only0[:5]} that rank {r} lacks, rank {r} has "
-                f"{onlyr[:5]} that rank 0 lacks. Every rank must save the same keys"
-            )
-        for k, t in mine.items():
-            if k in ref and (ref[k].shape, ref[k].dtype) != (t.shape, t.dtype):
-                return MismatchError(
-                    f"tensor {k!r}: rank 0 says global shape {list(ref[k].shape)} {ref[k].dtype}, rank {r} says "
+def _union(plans: Sequence[LocalPlan]) -> tuple[list[TensorSpec], list[str], list[np.ndarray] | None]:
+    """Every rank's tensors and value keys together (sorted by name) and, per rank, the map from its
+    local tensor indices to the global ones (None when every rank passed the same table).
+
+    Ranks may hold different keys (pipeline stages, keys only some ranks have); they must agree on the
+    global shape and dtype of every tensor they share, and a key must not be a tensor on one rank and a
+    plain value on another. Tables are compared by their bytes, so the work grows with the number of
+    distinct tables (about one per pipeline stage), not with the number of ranks.
+    """
+    table = plans[0].table_json()
+    if all(p.table_json() == table for p in plans[1:]):
+        return list(plans[0].tensors), list(plans[0].value_keys), None
+    first: dict[bytes, int] = {}
+    for r, p in enumerate(plans):
+        first.setdefault(p.table_json(), r)
+    specs: dict[str, tuple[TensorSpec, int]] = {}
+    vkeys: dict[str, int] = {}
+    for r in first.values():
+        for t in plans[r].tensors:
+            seen = specs.setdefault(t.fqn, (t, r))
+            if (seen[0].shape, seen[0].dtype) != (t.shape, t.dtype):
+                a, ra = seen
+                raise MismatchError(
+                    f"tensor {t.fqn!r}: rank {ra} says global shape {list(a.shape)} {a.dtype}, rank {r} says "
                     f"{list(t.shape)} {t.dtype}; every rank must agree on the global shape and dtype"
                 )
-        if set(mine) != set(ref):
-            k = sorted(set(mine) ^ set(ref))[0]
-            return MismatchError(f"key {k!r} is a tensor on one rank and a plain value on another (ranks 0 and {r})")
-    return MismatchError("ranks disagree on the tensor table")
+        for k in plans[r].value_keys:
+            vkeys.setdefault(k, r)
+    clash = sorted(set(specs) & set(vkeys))
+    if clash:
+        k = clash[0]
+        raise MismatchError(
+            f"key {k!r} is a tensor on rank {specs[k][1]} and a plain value on rank {vkeys[k]}; every rank must "
+            "save it as the same kind"
+        )
+    names = sorted(specs)
+    index = {n: i for i, n in enumerate(names)}
+    maps = {tb: np.array([index[t.fqn] for t in plans[r].tensors], dtype=np.int64) for tb, r in first.items()}
+    return [specs[n][0] for n in names], sorted(vkeys), [maps[p.table_json()] for p in plans]
+
+
+def _pad(rows: np.ndarray, D: int) -> np.ndarray:
+    """``[tidx | offsets | lengths]`` rows widened to ``D`` dimensions (offset 0, length 1)."""
+    d = (rows.shape[1] - 1) // 2
+    if d == D:
+        return rows
+    n = len(rows)
+    return np.concatenate([rows[:, : 1 + d], np.zeros((n, D - d), rows.dtype), rows[:, 1 + d :],
+                           np.ones((n, D - d), rows.dtype)], axis=1)
+
+
+def _stack_per_rank(specs: list[TensorSpec], per_rank: dict[str, np.ndarray], tidx, offs, lens, rank):
+    """Give each tensor stored per rank one leading dimension more, its row i holding holder i's copy.
+
+    Returns the new specs and boxes (widened by one dimension when needed).
+    """
+    index = {t.fqn: i for i, t in enumerate(specs)}
+    D = offs.shape[1]
+    D2 = max([D] + [len(specs[index[k]].shape) + 1 for k in per_rank if k in index])
+    if D2 > D:
+        n = len(tidx)
+        offs = np.concatenate([offs, np.zeros((n, D2 - D), offs.dtype)], axis=1)
+        lens = np.concatenate([lens, np.ones((n, D2 - D), lens.dtype)], axis=1)
+    else:
+        offs, lens = offs.copy(), lens.copy()
+    offs, lens = offs.astype(np.int64), lens.astype(np.int64)
+    specs = list(specs)
+    for k, holders in sorted(per_rank.items()):
+        t = index.get(k)
+        if t is None:
+            continue
+        spec = specs[t]
+        nd = len(spec.shape)
+        sel = np.flatnonzero(tidx == t)
+        whole = (offs[sel, :nd] == 0).all(axis=1) & (lens[sel, :nd] == np.array(spec.shape, np.int64)).all(axis=1)
+        pos = np.searchsorted(holders, rank[sel])
+        ok = whole & (pos < len(holders))
+        ok[ok] &= holders[pos[ok]] == rank[sel][ok]
+        if not ok.all() or len(sel) != len(holders):
+            i = sel[int(np.argmin(ok))] if not ok.all() else sel[0]
+            raise MismatchError(
+                f"tensor {k!r} differs between the ranks holding it whole, but rank {int(rank[i])} holds only a part "
+                "of it (or holds it twice); a tensor stored per rank must be held whole by each of its holders. "
+                "Make it a DTensor, or save each rank's copy under its own key"
+            )
+        o = offs[sel, :nd].copy()
+        ln = lens[sel, :nd].copy()
+        offs[sel, 0], lens[sel, 0] = pos, 1
+        offs[sel, 1 : 1 + nd], lens[sel, 1 : 1 + nd] = o, ln
+        specs[t] = TensorSpec(spec.fqn, spec.dtype, (len(holders),) + tuple(spec.shape))
+    return specs, offs, lens
 
 
 def _greedy(sizes: np.ndarray, loads: Sequence[int]) -> np.ndarray:
@@ -242,16 +315,30 @@ def _greedy(sizes: np.ndarray, loads: Sequence[int]) -> np.ndarray:
     return out
 
 
-def plan_global(plans: Sequence[LocalPlan]) -> GlobalPlan:
-    """Validate and deduplicate every rank's chunks, and choose one balanced writer per unique chunk."""
+def plan_global(plans: Sequence[LocalPlan], per_rank: dict[str, np.ndarray] | None = None) -> GlobalPlan:
+    """Validate and deduplicate every rank's chunks, and choose one balanced writer per unique chunk.
+
+    ``per_rank``: tensors to store per rank (fqn -> sorted holder ranks, see :func:`classify_per_rank`);
+    each holder writes its own whole copy as one row of a tensor with one leading dimension more.
+    """
     W = len(plans)
-    ref = plans[0]
-    table = ref.table_json()
-    if any(p.table_json() != table for p in plans[1:]):
-        raise _table_mismatch(plans)
-    specs = ref.tensors
-    T = len(specs)
+    specs, value_keys, maps = _union(plans)
     D = max((len(t.shape) for t in specs), default=0)
+    counts = np.array([len(p.rows) for p in plans], dtype=np.int64)
+    n = int(counts.sum())
+    if any(p.rows.shape[1] > 1 + 2 * D for p in plans if len(p.rows)):
+        raise MismatchError("ranks disagree on tensor ranks (box dimensions)")
+    rows = (np.concatenate([_pad(p.rows, D) for p in plans if len(p.rows)]) if n else np.zeros((0, 1 + 2 * D), np.int64))
+    tidx, offs, lens = rows[:, 0], rows[:, 1 : 1 + D], rows[:, 1 + D :]
+    if maps is not None and n:
+        tidx = np.concatenate([m[p.tidx] for m, p in zip(maps, plans) if len(p.rows)])
+    rank = np.repeat(np.arange(W, dtype=np.int32), counts)
+    rank_first = np.cumsum(counts) - counts
+    stacked = {k: np.asarray(v, np.int64) for k, v in (per_rank or {}).items()}
+    if stacked:
+        specs, offs, lens = _stack_per_rank(specs, stacked, tidx, offs, lens, rank)
+        D = offs.shape[1]
+    T = len(specs)
     itemsize = np.array([dtypes.itemsize(t.dtype) for t in specs], dtype=np.int64)
     numel = np.array([int(np.prod(t.shape, dtype=np.int64)) if t.shape else 1 for t in specs], dtype=np.int64)
     strides = np.zeros((T, D), dtype=np.int64)
@@ -261,15 +348,6 @@ def plan_global(plans: Sequence[LocalPlan]) -> GlobalPlan:
             strides[t, d] = acc
             acc *= spec.shape[d]
     base = np.concatenate([[0], np.cumsum(numel)[:-1]]) if T else np.zeros(0, np.int64)
-
-    counts = np.array([len(p.rows) for p in plans], dtype=np.int64)
-    n = int(counts.sum())
-    if any(p.rows.shape[1] != 1 + 2 * D for p in plans if len(p.rows)):
-        raise MismatchError("ranks disagree on tensor ranks (box dimensions)")
-    rows = np.concatenate([p.rows for p in plans if len(p.rows)]) if n else np.zeros((0, 1 + 2 * D), np.int64)
-    tidx, offs, lens = rows[:, 0], rows[:, 1 : 1 + D], rows[:, 1 + D :]
-    rank = np.repeat(np.arange(W, dtype=np.int32), counts)
-    rank_first = np.cumsum(counts) - counts
 
     # bounds (per dimension), and two keys per box: its first and its last element in a global index
     # space where tensor t occupies [base[t], base[t] + numel[t]). In bounds, the pair identifies the box.
@@ -353,7 +431,8 @@ def plan_global(plans: Sequence[LocalPlan]) -> GlobalPlan:
     slot[by_writer] = np.arange(U) - rank_start[writer[by_writer]]
     sorted_local = w_local[by_writer]
     assignments = [sorted_local[rank_start[r] : rank_start[r] + per_rank[r]] for r in range(W)]
-    return GlobalPlan(W, list(specs), list(ref.value_keys), u_tidx, u_off, u_len, writer, slot, assignments)
+    return GlobalPlan(W, list(specs), value_keys, u_tidx, u_off, u_len, writer, slot, assignments,
+                      {k: tuple(int(r) for r in v) for k, v in stacked.items() if k in {t.fqn for t in specs}})
 
 
 def _assign_replicated(rep, first, cnt, ranks_sorted, nbytes, pick, load, world: int) -> None:
@@ -394,6 +473,102 @@ def _assign_replicated(rep, first, cnt, ranks_sorted, nbytes, pick, load, world:
             pattern = memo[key] = _greedy(sizes, init)
         pick[boxes] = pattern
         load[members] += np.bincount(pattern, weights=sizes, minlength=len(members)).astype(np.int64)
+
+
+_CONTENT_MAGIC = b"HDCT"
+
+
+def content_table(tensor_keys: Sequence[str], tensor_digests: Sequence[int], value_keys: Sequence[str],
+                  value_digests: Sequence[int]) -> bytes:
+    """One rank's content digests: one 64-bit digest per whole-held tensor and per plain value.
+
+    Binary form: magic, the JSON key lists' length, the JSON ``[tensor keys, value keys]``, then the
+    digests (tensors first) as little-endian uint64. The key lists are equal on most ranks, so the
+    receiver groups ranks by them.
+    """
+    keys = json.dumps([list(tensor_keys), list(value_keys)], separators=(",", ":")).encode()
+    d = np.array(list(tensor_digests) + list(value_digests), dtype="<u8")
+    return b"".join([_CONTENT_MAGIC, struct.pack("<Q", len(keys)), keys, d.tobytes()])
+
+
+@dataclass
+class PerRank:
+    """What a save stores per rank: plain values, and tensors with their holders (sorted ranks)."""
+
+    values: list[str] = field(default_factory=list)
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.values or self.tensors)
+
+    def to_bytes(self) -> bytes:
+        from ..coordination import wire
+
+        names = sorted(self.tensors)
+        counts = np.array([len(self.tensors[k]) for k in names], np.int64)
+        flat = np.concatenate([self.tensors[k] for k in names]).astype(np.int64) if names else np.zeros(0, np.int64)
+        return wire.pack({"values": self.values, "tensors": names}, {"counts": counts, "flat": flat})
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> "PerRank":
+        from ..coordination import wire
+
+        head, arr = wire.unpack(raw)
+        starts = np.concatenate([[0], np.cumsum(arr["counts"])]).astype(np.int64)
+        return cls(list(head["values"]),
+                   {k: arr["flat"][starts[i] : starts[i + 1]] for i, k in enumerate(head["tensors"])})
+
+    def tensor_key(self) -> bytes:
+        """Identifies the tensors stored per rank and their holders (part of the plan cache key)."""
+        h = xxhash.xxh3_128()
+        for k in sorted(self.tensors):
+            h.update(k.encode() + b"\0" + np.asarray(self.tensors[k], "<i8").tobytes() + b"\1")
+        return h.digest()
+
+
+def classify_per_rank(tables: Sequence[bytes], world: int) -> PerRank:
+    """Which entries a save stores per rank, from every rank's :func:`content_table`.
+
+    A plain value is stored once when every rank holds it with the same digest, else per rank (it
+    differs, or only some ranks hold it). A tensor held whole by several ranks is stored once when
+    their digests agree, else per rank (held only by some ranks is fine: it is stored from them).
+    Ranks are grouped by their key lists, so the cost is one numpy pass per group plus one step per key
+    and group, never per (rank, key) in Python.
+    """
+    groups: dict[bytes, tuple[list, list[int], list[np.ndarray]]] = {}
+    for r, raw in enumerate(tables):
+        if raw[:4] != _CONTENT_MAGIC:
+            raise ValueError("not a hyperdcp content table")
+        (kl,) = struct.unpack_from("<Q", raw, 4)
+        kb = raw[12 : 12 + kl]
+        g = groups.get(kb)
+        if g is None:
+            g = groups[kb] = (json.loads(kb), [], [])
+        g[1].append(r)
+        g[2].append(np.frombuffer(raw, "<u8", offset=12 + kl))
+    # per key: [holder count, a digest, differs, holder rank arrays]
+    info: dict[tuple[int, str], list] = {}
+    for (tkeys, vkeys), ranks, digs in groups.values():
+        m = np.stack(digs) if digs else np.zeros((0, 0), "<u8")
+        if m.shape[1] == 0:
+            continue
+        lo, hi, d0 = m.min(axis=0), m.max(axis=0), m[0]
+        rk = np.array(ranks, np.int64)
+        for j, key in enumerate([(0, k) for k in tkeys] + [(1, k) for k in vkeys]):
+            e = info.get(key)
+            if e is None:
+                info[key] = [len(ranks), int(d0[j]), bool(lo[j] != hi[j]), [rk]]
+            else:
+                e[0] += len(ranks)
+                e[2] = e[2] or bool(lo[j] != hi[j]) or int(d0[j]) != e[1]
+                e[3].append(rk)
+    out = PerRank()
+    for (kind, k), (count, _, differs, rks) in sorted(info.items()):
+        if kind == 1 and (differs or count < world):
+            out.values.append(k)
+        elif kind == 0 and differs:
+            out.tensors[k] = np.sort(np.concatenate(rks))
+    return out
 
 
 class PlanCache:
