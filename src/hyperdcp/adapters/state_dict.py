@@ -74,50 +74,89 @@ class LoadLeaf:
     set: Callable[[Any], None]
 
 
+def _post_key(path: tuple[str, ...]) -> tuple:
+    """Sort key putting every node after all of its descendants (children first), else by name."""
+    return tuple((0, p) for p in path) + ((1, ""),)
+
+
+def _materialize(fqn: str, v: Any) -> Any | None:
+    """A real CPU tensor to load into in place of a meta-device tensor ``v`` (None if ``v`` is not one)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(v, torch.Tensor) or v.device.type != "meta":
+        return None
+    from . import torch as _torch
+
+    if isinstance(v, _torch.DTensor):
+        local = v._local_tensor
+        if type(local) is not torch.Tensor:
+            raise StateDictError(f"cannot load into {fqn!r}: a meta-device DTensor with a {type(local).__name__} local "
+                                 "tensor; allocate it on a real device first")
+        return _torch.DTensor.from_local(torch.empty_like(local, device="cpu"), v.device_mesh, v.placements,
+                                         run_check=False, shape=v.size(), stride=v.stride())
+    if type(v) is not torch.Tensor and not isinstance(v, torch.nn.Parameter):
+        raise StateDictError(f"cannot load into {fqn!r}: a meta-device {type(v).__name__}; allocate it on a real device first")
+    return torch.empty(v.shape, dtype=v.dtype, device="cpu")
+
+
 def leaves_for_load(state: Any) -> tuple[list[LoadLeaf], Callable[[], None]]:
     """Every leaf of ``state`` with a setter, and ``finish()`` which completes the load.
 
     Set new values through the leaves' setters (tensors are usually filled in place instead), then
     call ``finish()``: it rebuilds tuples and calls ``load_state_dict`` on stateful objects with the
-    very dicts their ``state_dict()`` returned during this walk, children first.
+    very dicts their ``state_dict()`` returned during this walk, children first and otherwise in
+    order of their names, so that every rank calls them in the same order whatever its dict order
+    (``load_state_dict`` may run collectives).
+
+    A tensor on the meta device (torch) is loaded into a new CPU tensor of its shape and dtype (a
+    DTensor keeps its mesh and placements), which ``finish()`` puts in its place, as torch DCP does.
     """
     leaves: list[LoadLeaf] = []
-    post: list[Callable[[], None]] = []
+    post: list[tuple[tuple, int, Callable[[], None]]] = []
     seen: set[str] = set()
 
-    def walk(v: Any, fqn: str, setter: Callable[[Any], None]) -> None:
+    def later(path: tuple[str, ...], action: Callable[[], None]) -> None:
+        post.append((_post_key(path), len(post), action))
+
+    def walk(v: Any, fqn: str, path: tuple[str, ...], setter: Callable[[Any], None]) -> None:
         kind = _kind(fqn, v)
         if kind is not None and (kind == TENSOR or fqn):
             if fqn in seen:
                 raise StateDictError(f"two entries of the state dict are both named {fqn!r}; rename one of them")
             seen.add(fqn)
+            real = _materialize(fqn, v) if kind == TENSOR else None
+            if real is not None:
+                later(path, lambda: setter(real))
+                v = real
             leaves.append(LoadLeaf(fqn, kind, v, setter))
             return
         if _is_stateful(v):
             sub = v.state_dict()
             box = [sub]
-            walk(sub, fqn, lambda x: box.__setitem__(0, x))
-            post.append(lambda: v.load_state_dict(box[0]))
+            walk(sub, fqn, path, lambda x: box.__setitem__(0, x))
+            later(path, lambda: v.load_state_dict(box[0]))
         elif isinstance(v, dict):
             for k, x in v.items():
-                walk(x, _join(fqn, k), lambda y, k=k: v.__setitem__(k, y))
+                walk(x, _join(fqn, k), path + (str(k),), lambda y, k=k: v.__setitem__(k, y))
         elif isinstance(v, list):
             for i, x in enumerate(v):
-                walk(x, _join(fqn, i), lambda y, i=i: v.__setitem__(i, y))
+                walk(x, _join(fqn, i), path + (str(i),), lambda y, i=i: v.__setitem__(i, y))
         elif isinstance(v, tuple):
             items = list(v)
             for i, x in enumerate(items):
-                walk(x, _join(fqn, i), lambda y, i=i: items.__setitem__(i, y))
+                walk(x, _join(fqn, i), path + (str(i),), lambda y, i=i: items.__setitem__(i, y))
             rebuild = (lambda: setter(type(v)(*items))) if hasattr(v, "_fields") else (lambda: setter(type(v)(items)))
-            post.append(rebuild)
+            later(path, rebuild)
         else:
             values_codec.encode(v, fqn or "<state dict>")
             raise StateDictError(f"cannot load into {fqn!r}")  # pragma: no cover
 
-    walk(state, "", lambda x: None)
+    walk(state, "", (), lambda x: None)
+    post.sort(key=lambda e: (e[0], e[1]))
 
     def finish() -> None:
-        for action in post:
+        for _, _, action in post:
             action()
 
     return leaves, finish
