@@ -170,7 +170,46 @@ def scenario_stateful_order(rank, world, tmp):
     return {"A": a.peers, "B": b.peers}
 
 
-SCENARIOS = [scenario_strided_several_boxes, scenario_sub_mesh, scenario_meta_dtensor, scenario_stateful_order]
+def scenario_async_custom_shards(rank, world, tmp):
+    """async_save of a legacy ShardedTensor (two shards per rank) and of custom uneven shards in a
+    LocalShardsWrapper, loaded back as plain tensors."""
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu", "rank:1/cpu", "rank:0/cpu"])
+    legacy = sharded_tensor.zeros(spec, 14, 3)
+    for sh in legacy.local_shards():
+        o, n = sh.metadata.shard_offsets[0], sh.metadata.shard_sizes[0]
+        sh.tensor.copy_(G[o:o + n])
+    off, ln = [(0, 9), (9, 5)][rank]
+    wrapper = LocalShardsWrapper([G[off:off + ln].clone()], [(off, 0)])
+    dt = DTensor.from_local(wrapper, init_device_mesh("cpu", (world,)), [Shard(0)], shape=G.shape, stride=G.stride())
+    path = os.path.join(tmp, "async-custom")
+    hyperdcp.async_save({"legacy": legacy, "wrapped": dt}, path).result(timeout=60)
+    plain = {"legacy": torch.zeros_like(G), "wrapped": torch.zeros_like(G)}
+    hyperdcp.load(plain, path)
+    assert torch.equal(plain["legacy"], G) and torch.equal(plain["wrapped"], G)
+    return len(legacy.local_shards())
+
+
+def scenario_partial_refused(rank, world, tmp):
+    """A Partial DTensor is refused on every rank with an error naming it and saying what to do."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    dt = DTensor.from_local(torch.ones(3), init_device_mesh("cpu", (world,)), [Partial()])
+    try:
+        hyperdcp.save({"grad": dt}, os.path.join(tmp, "partial"))
+    except hyperdcp.CheckpointError as e:
+        return str(e)
+    return None
+
+
+SCENARIOS = [scenario_strided_several_boxes, scenario_sub_mesh, scenario_meta_dtensor, scenario_stateful_order,
+             scenario_async_custom_shards, scenario_partial_refused]
 
 
 def _run_all(rank, world, tmp):
@@ -273,3 +312,12 @@ def test_stateful_objects_load_in_one_order_on_every_rank(results):
     out = _outcome(results, "scenario_stateful_order")
     for o in out:
         assert o["A"] == ["A", "A"] and o["B"] == ["B", "B"], o
+
+
+def test_async_save_of_legacy_sharded_tensor_and_shards_wrapper(results):
+    assert _outcome(results, "scenario_async_custom_shards") == [2, 2]
+
+
+def test_partial_placement_is_refused_naming_the_tensor(results):
+    for msg in _outcome(results, "scenario_partial_refused"):
+        assert msg and "'grad'" in msg and "Replicate()" in msg, msg

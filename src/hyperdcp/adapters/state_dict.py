@@ -84,20 +84,24 @@ def _materialize(fqn: str, v: Any) -> Any | None:
     import sys
 
     torch = sys.modules.get("torch")
-    if torch is None or not isinstance(v, torch.Tensor) or v.device.type != "meta":
+    if torch is None or not isinstance(v, torch.Tensor):
         return None
     from . import torch as _torch
 
-    if isinstance(v, _torch.DTensor):
-        local = v._local_tensor
-        if type(local) is not torch.Tensor:
-            raise StateDictError(f"cannot load into {fqn!r}: a meta-device DTensor with a {type(local).__name__} local "
-                                 "tensor; allocate it on a real device first")
+    local = v._local_tensor if isinstance(v, _torch.DTensor) else v
+    if type(local) is torch.Tensor or isinstance(local, torch.nn.Parameter):
+        if local.device.type != "meta":
+            return None
+        if local is v:
+            return torch.empty(v.shape, dtype=v.dtype, device="cpu")
         return _torch.DTensor.from_local(torch.empty_like(local, device="cpu"), v.device_mesh, v.placements,
                                          run_check=False, shape=v.size(), stride=v.stride())
-    if type(v) is not torch.Tensor and not isinstance(v, torch.nn.Parameter):
-        raise StateDictError(f"cannot load into {fqn!r}: a meta-device {type(v).__name__}; allocate it on a real device first")
-    return torch.empty(v.shape, dtype=v.dtype, device="cpu")
+    # shard containers (LocalShardsWrapper, legacy ShardedTensor): their shard tensors are the destinations
+    shards = local.local_shards() if callable(getattr(local, "local_shards", None)) else []
+    if any(getattr(sh, "tensor", sh).device.type == "meta" for sh in shards):
+        raise StateDictError(f"cannot load into {fqn!r}: its shards are on the meta device; allocate them on a "
+                             "real device first")
+    return None
 
 
 def leaves_for_load(state: Any) -> tuple[list[LoadLeaf], Callable[[], None]]:

@@ -111,10 +111,10 @@ def _steps(fqn: str, dt: "DTensor") -> list[tuple[int, int]]:
         elif isinstance(p, Shard) or type(p).__name__ == "_StridedShard":
             out.append((int(p.dim) % nd, int(getattr(p, "split_factor", 1))))
         else:
-            hint = "; redistribute Partial tensors to Replicate first" if "Partial" in type(p).__name__ else ""
             raise StateDictError(
                 f"cannot checkpoint {fqn!r}: placement {p} is not supported; hyperdcp stores Shard(d), "
-                f"_StridedShard(d) and Replicate() placements{hint}"
+                "_StridedShard(d) and Replicate() placements: redistribute it to one of those first "
+                "(Partial tensors to Replicate())"
             )
     return out
 
@@ -160,7 +160,8 @@ def dtensor_box(fqn: str, dt: "DTensor") -> Box:
     """This rank's one box of ``dt`` (empty outside its mesh); raises when it holds several (see :func:`single_box`)."""
     boxes = dtensor_boxes(fqn, dt)
     if len(boxes) > 1 or (boxes and boxes[0][2] is not dt._local_tensor):
-        raise StateDictError(f"{fqn!r}: this rank holds {len(boxes)} separate boxes of it; use the generic adapter path")
+        raise StateDictError(f"{fqn!r}: this rank holds it as {len(boxes)} separate boxes, not one; describe it "
+                             "with to_sharded() instead (adapter misuse)")
     if not boxes:
         return Box((0,) * dt.dim(), (0,) * dt.dim())
     return boxes[0][0]
@@ -239,15 +240,13 @@ def grid_layout(value: torch.Tensor, ctx) -> GridLayout | None:
     cache = _layout_cache(ctx)
     hit = cache.get(id(mesh))
     if hit is None or hit[0]() is not mesh:
+        members = np.asarray(ctx.global_ranks, dtype=np.int64)
         lifted = _lift(mesh)
         top, dims = lifted if lifted is not None else (mesh, tuple(range(mesh.ndim)))
-        glob = np.asarray(top.mesh.cpu().numpy(), dtype=np.int64)
-        members = np.asarray(ctx.global_ranks, dtype=np.int64)
-        lookup = np.full(int(max(glob.max(initial=0), members.max(initial=0))) + 1, -1, dtype=np.int64)
-        lookup[members] = np.arange(len(members), dtype=np.int64)
-        grid = lookup[glob] if glob.size else glob
-        if grid.size and int(grid.min()) < 0:
-            grid = None  # a mesh rank outside this coordinator's group
+        grid = _group_grid(top, members)
+        if grid is None and lifted is not None:  # the root reaches outside this group: the sub-mesh alone
+            top, dims = mesh, tuple(range(mesh.ndim))
+            grid = _group_grid(top, members)
         hit = cache[id(mesh)] = (weakref.ref(mesh), grid, GridLayout.digest_mesh(grid) if grid is not None else b"",
                                  _dim_groups(top) if grid is not None else (), dims)
     _, grid, key, groups, dims = hit
@@ -258,6 +257,16 @@ def grid_layout(value: torch.Tensor, ctx) -> GridLayout | None:
     for k, (d, f) in zip(dims, steps):
         placements[k], factors[k] = d, f
     return GridLayout(grid, tuple(placements), key, groups, tuple(factors) if any(f != 1 for f in factors) else ())
+
+
+def _group_grid(mesh, members: np.ndarray) -> np.ndarray | None:
+    """The mesh with each global rank replaced by its rank in the group of ``members`` (None if some
+    mesh rank is outside that group)."""
+    glob = np.asarray(mesh.mesh.cpu().numpy(), dtype=np.int64)
+    lookup = np.full(int(max(glob.max(initial=0), members.max(initial=0))) + 1, -1, dtype=np.int64)
+    lookup[members] = np.arange(len(members), dtype=np.int64)
+    grid = lookup[glob] if glob.size else glob
+    return None if grid.size and int(grid.min()) < 0 else grid
 
 
 def _dim_groups(mesh) -> tuple:
