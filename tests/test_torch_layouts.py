@@ -141,33 +141,39 @@ def scenario_meta_dtensor(rank, world, tmp):
 
 
 class _Collective:
-    """A stateful object whose load_state_dict runs a collective (as e.g. a dataloader's may)."""
+    """A stateful object whose state_dict and load_state_dict run a collective (as a dataloader's or
+    an app state's built on get_state_dict may)."""
 
     def __init__(self, name: str):
-        self.name, self.value, self.peers = name, 0, None
+        self.name, self.value, self.seen = name, 0, []
 
-    def state_dict(self):
-        return {"value": self.value}
-
-    def load_state_dict(self, sd):
+    def _gather(self, what: str) -> None:
         import torch.distributed as dist
 
         names = [None] * dist.get_world_size()
-        dist.all_gather_object(names, self.name)  # every rank must be loading the same object now
-        self.peers = names
+        dist.all_gather_object(names, self.name)  # every rank must be at the same object now
+        self.seen.append((what, names))
+
+    def state_dict(self):
+        self._gather("state_dict")
+        return {"value": self.value}
+
+    def load_state_dict(self, sd):
+        self._gather("load_state_dict")
         self.value = sd["value"]
 
 
 def scenario_stateful_order(rank, world, tmp):
-    """Rank 0 holds {A, B}, rank 1 {B, A}: load_state_dict runs on every rank in one order (by name)."""
+    """Rank 0 holds {A, B}, rank 1 {B, A}: state_dict and load_state_dict run on every rank in one order."""
     path = os.path.join(tmp, "stateful")
     a, b = _Collective("A"), _Collective("B")
     a.value, b.value = 1, 2
     hyperdcp.save({"A": a, "B": b} if rank == 0 else {"B": b, "A": a}, path)
+    saved = {"A": a.seen, "B": b.seen}
     a, b = _Collective("A"), _Collective("B")
     hyperdcp.load({"A": a, "B": b} if rank == 0 else {"B": b, "A": a}, path)
     assert (a.value, b.value) == (1, 2)
-    return {"A": a.peers, "B": b.peers}
+    return {"save": saved, "load": {"A": a.seen, "B": b.seen}}
 
 
 def scenario_async_custom_shards(rank, world, tmp):
@@ -309,9 +315,10 @@ def test_meta_device_dtensor_destination(results):
 
 
 def test_stateful_objects_load_in_one_order_on_every_rank(results):
-    out = _outcome(results, "scenario_stateful_order")
-    for o in out:
-        assert o["A"] == ["A", "A"] and o["B"] == ["B", "B"], o
+    for o in _outcome(results, "scenario_stateful_order"):
+        assert o["save"] == {"A": [("state_dict", ["A", "A"])], "B": [("state_dict", ["B", "B"])]}, o
+        assert o["load"] == {"A": [("state_dict", ["A", "A"]), ("load_state_dict", ["A", "A"])],
+                             "B": [("state_dict", ["B", "B"]), ("load_state_dict", ["B", "B"])]}, o
 
 
 def test_async_save_of_legacy_sharded_tensor_and_shards_wrapper(results):

@@ -3,7 +3,10 @@
 A leaf is a tensor-like value (array, tensor, DTensor) or a plain value. Containers (dict, list,
 tuple) that hold no tensor are plain values themselves, stored whole. Objects with ``state_dict()``
 and ``load_state_dict()`` are entered through ``state_dict()`` and restored through
-``load_state_dict()``. Names join keys with ``"."``: ``{"model": {"w": t}}`` -> ``"model.w"``.
+``load_state_dict()``; both are called in an order every rank agrees on (a dict holding stateful
+objects is walked by key; ``load_state_dict`` runs children first, then by name), whatever each
+rank's dict order, as they may run collectives. Names join keys with ``"."``:
+``{"model": {"w": t}}`` -> ``"model.w"``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,14 @@ TENSOR, VALUE = "tensor", "value"
 
 def _is_stateful(v: Any) -> bool:
     return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)) and not is_tensor_like(v)
+
+
+def _entries(d: dict) -> list[tuple[Any, Any]] | Any:
+    """A dict's entries in walking order: its own, unless it holds stateful objects; then by key, so that
+    every rank calls their ``state_dict()`` (which may run collectives) in the same order."""
+    if any(_is_stateful(x) for x in d.values()):
+        return sorted(d.items(), key=lambda kv: (str(kv[0]), type(kv[0]).__name__))
+    return d.items()
 
 
 def _join(prefix: str, key: Any) -> str:
@@ -56,7 +67,7 @@ def _walk(v: Any, fqn: str) -> Iterator[tuple[str, str, Any]]:
     if _is_stateful(v):
         yield from _walk(v.state_dict(), fqn)
     elif isinstance(v, dict):
-        for k, x in v.items():
+        for k, x in _entries(v):
             yield from _walk(x, _join(fqn, k))
     elif isinstance(v, (list, tuple)):
         for i, x in enumerate(v):
@@ -141,7 +152,7 @@ def leaves_for_load(state: Any) -> tuple[list[LoadLeaf], Callable[[], None]]:
             walk(sub, fqn, path, lambda x: box.__setitem__(0, x))
             later(path, lambda: v.load_state_dict(box[0]))
         elif isinstance(v, dict):
-            for k, x in v.items():
+            for k, x in _entries(v):
                 walk(x, _join(fqn, k), path + (str(k),), lambda y, k=k: v.__setitem__(k, y))
         elif isinstance(v, list):
             for i, x in enumerate(v):
