@@ -310,6 +310,11 @@ def test_meta_device_destination_becomes_a_real_tensor(tmp_path):
     assert state["nested"][0].device.type == "cpu" and state["nested"][0].tolist() == [1, 1]
 
 
+def test_saving_a_meta_tensor_is_refused_naming_it(tmp_path):
+    with pytest.raises(hyperdcp.CheckpointError, match="'w'.*meta device"):
+        hyperdcp.save({"w": torch.empty(4, device="meta")}, str(tmp_path / "ckpt"))
+
+
 def test_meta_device_dtensor_destination(results):
     assert all(_outcome(results, "scenario_meta_dtensor"))
 

@@ -326,6 +326,8 @@ def to_sharded(fqn: str, value: torch.Tensor, ctx, for_load: bool) -> ShardedTen
         if got != box.lengths:
             raise StateDictError(f"{fqn!r}: local shard shape {got} does not match its placement box {box}")
     if not for_load:
+        if any(local.device.type == "meta" for _, _, local in parts):
+            raise StateDictError(f"cannot save {fqn!r}: it is on the meta device and holds no data; materialize it first")
         shards = [LocalShard(box, host_bytes(local[sl] if box.ndim else local), reps) for box, sl, local in parts]
         return ShardedTensor(fqn, code, shape, shards)
     layout = grid_layout(value, ctx)
