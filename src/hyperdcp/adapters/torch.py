@@ -12,6 +12,7 @@ contribute the boxes of their shard metadata.
 from __future__ import annotations
 
 import weakref
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -183,19 +184,35 @@ def single_box(value: torch.Tensor) -> bool:
 
 
 def replica_ranks(dt: "DTensor", ctx) -> tuple[int, ...] | None:
-    """Group ranks holding the same box as this rank: same coordinate on every Shard mesh dim."""
+    """Group ranks holding the same box as this rank: same coordinate on every Shard mesh dim.
+
+    Cached per (mesh, which mesh dims replicate) and coordinator: many tensors share them, and the
+    set may hold every rank."""
     mesh = dt.device_mesh
+    mask = tuple(isinstance(p, Replicate) for p in dt.placements)
+    cache = _layout_cache(ctx)
+    key = ("replicas", id(mesh), mask)
+    hit = cache.get(key)
+    if hit is not None and hit[0]() is mesh:
+        return hit[1]
     coord = mesh.get_coordinate()
-    if coord is None:
-        return None
-    ranks = mesh.mesh
-    idx = tuple(slice(None) if isinstance(p, Replicate) else c for p, c in zip(dt.placements, coord))
-    glob = ranks[idx].reshape(-1).tolist()
-    to_group = {g: r for r, g in enumerate(ctx.global_ranks)}
-    try:
-        return tuple(sorted(to_group[g] for g in glob))
-    except KeyError:
-        return None
+    out = None
+    if coord is not None:
+        idx = tuple(slice(None) if rep else c for rep, c in zip(mask, coord))
+        glob = np.asarray(mesh.mesh.cpu().numpy(), dtype=np.int64)[idx].reshape(-1)
+        members = np.asarray(ctx.global_ranks, dtype=np.int64)
+        order = np.argsort(members)
+        pos = np.searchsorted(members[order], glob)
+        ok = (pos < len(members)) & (members[order][np.minimum(pos, len(members) - 1)] == glob)
+        if ok.all():
+            out = tuple(sorted(order[pos].tolist()))
+    cache[key] = (weakref.ref(mesh), out)
+    return out
+
+
+@lru_cache(maxsize=16)
+def _all_ranks(world: int) -> tuple[int, ...]:
+    return tuple(range(world))
 
 
 def _lift(mesh) -> tuple[Any, tuple[int, ...]] | None:
@@ -309,7 +326,7 @@ def _parts(fqn: str, value: torch.Tensor, ctx) -> tuple[tuple[int, ...], list[tu
         return tuple(int(s) for s in value.shape), boxes, replica_ranks(value, ctx) if boxes else None
     box = full_box(value.shape)
     parts = [(box, tuple(slice(None) for _ in box.lengths), value)] if box.numel else []
-    return box.lengths, parts, tuple(range(ctx.world_size))
+    return box.lengths, parts, _all_ranks(ctx.world_size)
 
 
 def _dtype(value: torch.Tensor):
