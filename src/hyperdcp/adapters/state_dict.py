@@ -12,7 +12,7 @@ rank's dict order, as they may run collectives. Names join keys with ``"."``:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import StateDictError
 from ..format import values as values_codec
@@ -25,7 +25,7 @@ def _is_stateful(v: Any) -> bool:
     return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)) and not is_tensor_like(v)
 
 
-def _entries(d: dict) -> list[tuple[Any, Any]] | Any:
+def _entries(d: dict) -> Iterable[tuple[Any, Any]]:
     """A dict's entries in walking order: its own, unless it holds stateful objects; then by key, so that
     every rank calls their ``state_dict()`` (which may run collectives) in the same order."""
     if any(_is_stateful(x) for x in d.values()):

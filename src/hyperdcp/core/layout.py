@@ -61,7 +61,7 @@ class GridLayout:
     def key(self, shape: tuple[int, ...]) -> bytes:
         """What two ranks must agree on for their views of this tensor's layout to be the same."""
         sf = self.split_factors if self.strided else ()
-        return self.mesh_key + np.asarray((len(shape), *shape, len(self.placements), *self.placements, *sf),
+        return self.mesh_key + np.asarray((len(shape), *shape, len(self.placements), *self.placements, len(sf), *sf),
                                           dtype=np.int64).tobytes()
 
     def boxes(self, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
