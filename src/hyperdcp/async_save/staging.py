@@ -236,7 +236,7 @@ class Stager:
             if kind != TENSOR:
                 vals[fqn] = values_codec.encode(v, fqn)
                 continue
-            if torch_mod is not None and isinstance(v, torch_mod.Tensor):
+            if torch_mod is not None and isinstance(v, torch_mod.Tensor) and _single_box(v):
                 st, src = self._torch_leaf(fqn, v, ctx)
                 for sh in st.shards:
                     sources[id(sh)] = src
@@ -455,6 +455,14 @@ def _skeleton(d: dict, prefix: str, torch_mod, fqns: list, leaves: list) -> tupl
         else:
             raise _Miss  # numpy arrays, lists/tuples of tensors, stateful objects: the full path
     return keys, (None if all(k is None for k in kids) else kids)
+
+
+def _single_box(v) -> bool:
+    """Whether a torch leaf is one box that is its whole local tensor (else the generic adapter path
+    describes it: strided shards in several runs, LocalShardsWrapper, legacy ShardedTensor)."""
+    from ..adapters.torch import single_box
+
+    return single_box(v)
 
 
 @dataclass
