@@ -202,6 +202,7 @@ class Stager:
             from ..adapters import torch as tad
 
             self._tad = tad
+        tad.check_dense(fqn, value, False)  # sparse, nested: a clear error naming the key
         if isinstance(value, tad.DTensor):
             local = value._local_tensor  # what to_local() returns, without the autograd wrapper
             key = (fqn, tuple(value.shape), value.dtype, tuple(value.placements), id(value.device_mesh))
@@ -336,6 +337,7 @@ class Stager:
         except _Miss:
             return None
         now = [None] * len(fast.tensor_leaves)
+        torch_mod = fast.torch
         for j, (i, typ, shp, dt, spec) in enumerate(fast.tensor_leaves):
             v = leaves[i]
             if type(v) is not typ:
@@ -351,7 +353,7 @@ class Stager:
                     return None
                 if st is not fast.sts[j]:
                     return None
-            if cur.dtype is not dt or cur.shape != shp or not cur.is_cpu:
+            if cur.dtype is not dt or cur.shape != shp or not cur.is_cpu or cur.layout is not torch_mod.strided:
                 return None
             now[j] = cur
         vals = {}
@@ -363,7 +365,6 @@ class Stager:
                 vals[fqn] = values_codec.encode(v, fqn)
             except StateDictError:
                 return None
-        torch_mod = fast.torch
         srcs = [now[j] for j in fast.chunk_src]
         grad_mode = torch_mod.is_grad_enabled()
         torch_mod.set_grad_enabled(False)
