@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable
 
 from ..errors import CheckpointError, CoordinationError
@@ -22,6 +23,11 @@ class SaveInProgressError(AsyncSaveError):
 
 class PersistProcessDiedError(AsyncSaveError, CoordinationError):
     """The persist process of this rank died during a save."""
+
+
+class PersistProcessStuckError(PersistProcessDiedError):
+    """The persist process of this rank was stopped or blocked in the kernel without progress (see
+    :meth:`~hyperdcp.async_save.persist_process.PersistWorker.stuck`); it was killed, the save not committed."""
 
 
 class AsyncSaveTimeoutError(AsyncSaveError, TimeoutError):
@@ -65,11 +71,23 @@ class SaveFuture:
     def done(self) -> bool:
         return self._event.is_set()
 
+    #: set by the session: called about twice a second while waiting; fails the save if its persist process is stuck
+    _watch: Callable[[], None] | None = None
+
     def wait(self, timeout: float | None = None) -> bool:
-        return self._event.wait(timeout)
+        if self._watch is None:
+            return self._event.wait(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if self._event.wait(0.5 if left is None else max(0.0, min(0.5, left))):
+                return True
+            if left is not None and left <= 0.5:
+                return self._event.is_set()
+            self._watch()
 
     def result(self, timeout: float | None = None) -> SaveResult:
-        if not self._event.wait(timeout):
+        if not self.wait(timeout):
             raise AsyncSaveTimeoutError(
                 f"the async save to {self.path!r} (rank {self.rank}) is not finished after {timeout}s; it goes on in "
                 "the background: call result() again, or raise the timeout"
@@ -80,7 +98,7 @@ class SaveFuture:
         return self._result
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        if not self._event.wait(timeout):
+        if not self.wait(timeout):
             raise AsyncSaveTimeoutError(f"the async save to {self.path!r} is not finished after {timeout}s")
         return self._exc
 
@@ -93,6 +111,8 @@ class SaveFuture:
 
     def _finish(self, result: SaveResult | None, exc: BaseException | None) -> None:
         with self._lock:
+            if self._event.is_set():
+                return  # the first outcome stands (e.g. "stuck", then "died" once it is killed)
             self._result, self._exc = result, exc
             self._event.set()
             cbs, self._callbacks = self._callbacks, []
