@@ -1,0 +1,185 @@
+"""Leaks (issue 11, second campaign): processes that end by a signal or ``os._exit`` in the middle of a
+read-once load or an async save leave no shared memory, temporary directory or lock behind -- they
+clean up on SIGTERM, and what SIGKILL leaves is reclaimed by the next save or load on the host.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import hyperdcp
+from hyperdcp import shm
+from hyperdcp.storage.commit import is_complete
+
+torch = pytest.importorskip("torch")
+
+from tests.faults.ranks import Ranks  # noqa: E402
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+ROOT = os.path.dirname(SRC)
+SHM = "/dev/shm"
+
+needs_shm = pytest.mark.skipif(not (os.path.isdir(SHM) and os.access(SHM, os.W_OK)), reason="needs a writable /dev/shm")
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([SRC, ROOT, env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+def _owned_by(pid: int) -> list[str]:
+    """hyperdcp shared-memory files whose names say process ``pid`` created them."""
+    return sorted(n for n in os.listdir(SHM) if n.startswith("hyperdcp-") and f"-{pid}-" in n)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_shared_memory_names_say_whether_their_process_is_gone(tmp_path):
+    """pid namespace + pid + start time: a dead owner or a reused pid is an orphan; live owners and other
+    pid namespaces (containers sharing /dev/shm) are left alone."""
+    mine = shm.new_name("stage")
+    ns = mine.split("-")[2]
+    parent, start = os.getppid(), shm.start_time(os.getppid())
+    names = {
+        "dead": f"hyperdcp-ro-{ns}-{_dead_pid()}-12345-0123456789ab",
+        "reused pid": f"hyperdcp-stage-{ns}-{parent}-{start + 1}-0123456789ab",
+        "alive": f"hyperdcp-stage-{ns}-{parent}-{start}-0123456789ab",
+        "mine": mine,
+        "other namespace": f"hyperdcp-ro-{int(ns, 16) + 1:x}-{_dead_pid()}-1-0123456789ab",
+        "legacy dead": f"hyperdcp-stage-{_dead_pid()}-0123456789ab",
+        "unrelated": "hyperdcp-notes.txt",
+    }
+    for n in names.values():
+        (tmp_path / n).write_bytes(b"x")
+    assert shm.reclaim(str(tmp_path)) == 3
+    assert sorted(os.listdir(tmp_path)) == sorted(names[k] for k in ("alive", "mine", "other namespace", "unrelated"))
+
+
+class _Late:
+    """A stateful object whose state_dict() waits for file ``go``: its rank plans late, so the other ranks sit
+    in the read-once plan exchange with their segments named."""
+
+    def __init__(self, go: str):
+        self.go, self.sd = go, {"w": torch.zeros(256, 1024)}
+
+    def state_dict(self):
+        deadline = time.monotonic() + 90
+        while not os.path.exists(self.go) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.sd
+
+    def load_state_dict(self, sd):
+        self.sd = sd
+
+
+def _load_then_wait(rank, world, path, go):
+    import hyperdcp
+
+    m = _Late(go) if rank == 0 else _Late("/")
+    try:
+        hyperdcp.load({"m": m}, path, timeout=20)
+    except hyperdcp.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return bool(torch.equal(m.sd["w"], torch.arange(256 * 1024, dtype=torch.float32).reshape(256, 1024)))
+
+
+@needs_shm
+def test_ranks_killed_during_a_read_once_load_leave_no_segment(tmp_path):
+    """Rank 1 gets SIGTERM: it unlinks its segment (once its blocking collective returns) and still dies of
+    SIGTERM. Rank 2 gets SIGKILL: its segment stays, and the next segment created on this host (rank 0's,
+    as it reaches the load) reclaims it, its name carrying the dead pid."""
+    path = str(tmp_path / "c")
+    hyperdcp.save({"m": {"w": torch.arange(256 * 1024, dtype=torch.float32).reshape(256, 1024)}}, path)
+    go = str(tmp_path / "go")
+    r = Ranks(3, _load_then_wait, path, go)
+    term, kill = r.procs[1].pid, r.procs[2].pid
+    deadline = time.monotonic() + 90
+    while not (_owned_by(term) and _owned_by(kill)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _owned_by(term) and _owned_by(kill), "ranks 1 and 2 never created their segments"
+    os.kill(term, signal.SIGTERM)
+    os.kill(kill, signal.SIGKILL)
+    r.procs[2].join(30)
+    assert _owned_by(kill), "SIGKILL cannot be caught: the segment stays until someone reclaims it"
+    open(go, "w").close()  # rank 0 goes on: it creates its segment (reclaiming rank 2's), the plan exchange fails
+    out = r.collect(60)
+    r.kill_all()
+    assert (r.procs[1].exitcode, r.procs[2].exitcode) == (-signal.SIGTERM, -signal.SIGKILL)  # nothing swallowed
+    assert out[0][0] == "ok" and isinstance(out[0][1], str) and "Error" in out[0][1], out  # a CheckpointError on rank 0
+    assert _owned_by(term) == [] and _owned_by(kill) == []
+    assert [n for n in os.listdir(SHM) if n.startswith("hyperdcp-") and shm.orphaned(n)] == []
+
+
+def _leftovers(parent, name: str) -> list[str]:
+    return sorted(e for e in os.listdir(parent) if e.startswith(f".{name}.hyperdcp-"))
+
+
+_EXIT_AFTER_ASYNC_SAVE = """
+    import os, signal, sys, torch, hyperdcp
+    how, path = sys.argv[1], sys.argv[2]
+    state = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(8)}  # 32 MiB: the save takes a moment
+    fut = hyperdcp.async_save(state, path)
+    print(fut.worker_pid, flush=True)
+    if how == "os._exit":
+        os._exit(0)
+    os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+@needs_shm
+@pytest.mark.parametrize("how", ["os._exit", "SIGTERM"])
+def test_a_training_process_ending_right_after_async_save_leaves_nothing_behind(tmp_path, how):
+    """Its persist process finishes the save (committed, or failed and cleaned up), then exits: no temporary
+    directory, no lock, no staging area in /dev/shm."""
+    path = str(tmp_path / "c")
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_EXIT_AFTER_ASYNC_SAVE), how, path], capture_output=True,
+                       text=True, timeout=120, env=_env())
+    child = int(r.stdout.split()[0])
+    deadline = time.monotonic() + 60
+    while shm.start_time(child) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert shm.start_time(child) is None, "the persist process outlived its parent by a minute"
+    assert _leftovers(tmp_path, "c") == []
+    assert is_complete(path) or not os.path.exists(path)
+    stage = [n for n in os.listdir(SHM) if n.startswith("hyperdcp-stage-") and shm.orphaned(n)]
+    assert stage == [], stage
+    if is_complete(path):
+        got = {f"t{i}": torch.zeros(1 << 20) for i in range(8)}
+        hyperdcp.load(got, path)
+        assert all(torch.equal(got[f"t{i}"], torch.full((1 << 20,), float(i))) for i in range(8))
+
+
+def test_sigterm_to_a_persist_process_mid_save_removes_its_temporary_directory_and_lock(tmp_path, monkeypatch):
+    from hyperdcp.async_save import PersistProcessDiedError, saver
+
+    hyperdcp.async_save({"w": torch.zeros(4)}, tmp_path / "c").result(timeout=60)  # the previous checkpoint
+    monkeypatch.setattr(saver, "TEST_FAULT", {"rank": 0, "kind": "stall", "seconds": 60})  # stalls while writing
+    try:
+        fut = hyperdcp.async_save({"w": torch.ones(4)}, tmp_path / "c", overwrite=True)
+        deadline = time.monotonic() + 30
+        while not [e for e in _leftovers(tmp_path, "c") if "-tmp-" in e] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [e for e in _leftovers(tmp_path, "c") if "-tmp-" in e], "the save never created its temporary directory"
+        os.kill(fut.worker_pid, signal.SIGTERM)
+        with pytest.raises(PersistProcessDiedError, match="SIGTERM"):
+            fut.result(timeout=30)
+        assert _leftovers(tmp_path, "c") == []
+    finally:
+        monkeypatch.setattr(saver, "TEST_FAULT", None)
+        saver.shutdown()
+    got = {"w": torch.full((4,), 7.0)}
+    hyperdcp.load(got, tmp_path / "c")
+    assert torch.equal(got["w"], torch.zeros(4))  # the previous checkpoint, intact
