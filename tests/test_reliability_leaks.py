@@ -183,3 +183,28 @@ def test_sigterm_to_a_persist_process_mid_save_removes_its_temporary_directory_a
     got = {"w": torch.full((4,), 7.0)}
     hyperdcp.load(got, tmp_path / "c")
     assert torch.equal(got["w"], torch.zeros(4))  # the previous checkpoint, intact
+
+
+_SIGTERM_GUARD = """
+    import os, signal, sys, time
+    from hyperdcp.shm import sigterm_cleanup
+    mark = sys.argv[1]
+    if sys.argv[2] == "user":
+        signal.signal(signal.SIGTERM, lambda s, f: open(mark + ".user", "w").close())
+    with sigterm_cleanup(lambda: open(mark + ".cleanup", "w").close()):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+    print("alive, handler restored:", signal.getsignal(signal.SIGTERM).__name__ == "<lambda>")
+"""
+
+
+@pytest.mark.parametrize("handler", ["default", "user"])
+def test_sigterm_cleans_up_then_terminates_and_never_swallows_a_users_handler(tmp_path, handler):
+    mark = str(tmp_path / "m")
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_SIGTERM_GUARD), mark, handler], capture_output=True,
+                       text=True, timeout=60, env=_env())
+    if handler == "default":
+        assert r.returncode == -signal.SIGTERM and os.path.exists(mark + ".cleanup"), (r.returncode, r.stderr)
+    else:  # the user's handler runs instead and the process goes on; theirs is still installed afterwards
+        assert r.returncode == 0 and os.path.exists(mark + ".user") and not os.path.exists(mark + ".cleanup"), r.stderr
+        assert "alive, handler restored: True" in r.stdout

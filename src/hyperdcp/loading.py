@@ -186,8 +186,11 @@ def execute_local_reads(files: DataFiles, meta: Metadata, reads: list[ChunkRead]
             subs = [r]  # straight into the destination: no staging buffer
         else:
             subs = bounded_reads(meta, r, opts.verify_checksums)
+        # one staging buffer per read, reused by its bounded sub-reads
+        stage = _buffer(max(s.nbytes for s in subs), f"tensor {r.fqn!r}") if len(subs) > 1 else None
         for sub in subs:
-            buf, direct = read_chunk(files, meta, sub, opts.verify_checksums)
+            out = stage[: sub.nbytes] if stage is not None else None
+            buf, direct = read_chunk(files, meta, sub, opts.verify_checksums, out=out)
             if not direct:
                 for p in sub.pieces:
                     if p.dst is not None:

@@ -12,9 +12,9 @@ or segment is created and when an async-save session starts, so a process killed
 an uncaught signal) leaks its shared memory only until the next hyperdcp save or load on that host.
 Names from another pid namespace (a container sharing ``/dev/shm``) are never touched.
 
-:func:`sigterm_cleanup` runs cleanups on SIGTERM, then lets SIGTERM do what it did before: call the
-handler that was installed (the user's own), or, when that was the default action, terminate the
-process by SIGTERM again. While the main thread is blocked inside a C call (a collective), Python
+:func:`sigterm_cleanup` makes SIGTERM run cleanups and then terminate the process by SIGTERM again,
+where SIGTERM had its default action; a handler of the user's stays in charge (it is called instead,
+and if it exits, the atexit cleanups run); an ignored SIGTERM stays ignored. While the main thread is blocked inside a C call (a collective), Python
 runs the handler only once that call returns (at the latest at the coordination timeout).
 """
 
@@ -134,6 +134,10 @@ _PREVIOUS: list = []  # the handler ours replaced (while installed)
 
 
 def _on_sigterm(signum, frame) -> None:
+    prev = _PREVIOUS[0] if _PREVIOUS else signal.SIG_DFL
+    if callable(prev):  # the user's handler decides what SIGTERM does (if it exits, atexit cleans up)
+        prev(signum, frame)
+        return
     with _CLEANUPS_LOCK:
         fns = list(_CLEANUPS.values())
         _CLEANUPS.clear()
@@ -142,10 +146,6 @@ def _on_sigterm(signum, frame) -> None:
             fn()
         except Exception:  # noqa: BLE001 - cleanup must not stop the signal
             pass
-    prev = _PREVIOUS[0] if _PREVIOUS else signal.SIG_DFL
-    if callable(prev):
-        prev(signum, frame)  # the user's handler decides what SIGTERM does
-        return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # die by SIGTERM, as without us
     os.kill(os.getpid(), signal.SIGTERM)
 

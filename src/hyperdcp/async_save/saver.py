@@ -136,6 +136,17 @@ class _Session:
         seq = self.seq
         self.seq += 1
         worker = self._worker(seq)  # before staging: a replaced process needs a fresh staging area
+        from ..shm import sigterm_cleanup
+
+        with sigterm_cleanup(self._unlink_area):  # SIGTERM while staging: no named area is left in /dev/shm
+            return self._stage_and_send(worker, seq, state_dict, path, opts, exchange_dir, t0)
+
+    def _unlink_area(self) -> None:
+        if self.stager.area is not None:
+            self.stager.area.unlink()
+
+    def _stage_and_send(self, worker: PersistWorker, seq: int, state_dict: Any, path: str, opts: SaveOptions,
+                        exchange_dir: str | None, t0: float) -> SaveFuture:
         stage_error: BaseException | None = None
         try:
             copy = self.stager.stage(state_dict, self.coord)
