@@ -30,7 +30,10 @@ def coordinator_for(process_group: Any = None, timeout: float | None = None) -> 
 
             return TorchCoordinator(process_group, timeout)
     if process_group is not None:
-        raise ValueError("a process_group was given but torch.distributed is not initialized")
+        from .errors import CoordinationError
+
+        raise CoordinationError("a process_group was given but torch.distributed is not initialized; call "
+                                "torch.distributed.init_process_group() first, or drop process_group=")
     return LocalCoordinator()
 
 

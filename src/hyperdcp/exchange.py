@@ -45,12 +45,12 @@ Flow (every rank runs the same steps; ranks that need nothing take part too):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import hashlib
 import mmap
 import os
 import re
-import secrets
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -249,7 +249,7 @@ def derive_plans(meta: Metadata, tensors: Sequence[ShardedTensor], world: int,
 # -- same-host shared memory ------------------------------------------------------------------
 
 _SHM_DIR = "/dev/shm"
-_SHM_RE = re.compile(r"hyperdcp-ro-[0-9a-f]{24}\Z")
+_SHM_RE = re.compile(r"hyperdcp-ro-[0-9a-f]+-\d+-\d+-[0-9a-f]{12}\Z")  # see hyperdcp.shm: owner pid and start time
 _ALIGN = 64
 _NSLOTS = 3  # batch k+1 is read into the slot of batch k-2, which every consumer has copied out before exchange k-1
 _LIVE: set[str] = set()  # segments this process created and has not unlinked yet
@@ -296,7 +296,10 @@ class _Segment:
 
     def __init__(self, size: int):
         global _ATEXIT
-        self.name = "hyperdcp-ro-" + secrets.token_hex(12)
+        from . import shm
+
+        shm.reclaim(_SHM_DIR)  # segments and staging areas of processes killed before they could unlink them
+        self.name = shm.new_name("ro")
         self.path = os.path.join(_SHM_DIR, self.name)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
         self.fd = os.open(self.path, flags, 0o600)
@@ -939,7 +942,11 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
         except OSError:  # no usable /dev/shm here: this rank's units go point to point
             seg = None
     ex = None
+    from .shm import sigterm_cleanup
+
+    guard = sigterm_cleanup(_unlink_live) if seg is not None else contextlib.nullcontext()
     try:
+        guard.__enter__()  # SIGTERM while this rank's segment is named: unlink it, then terminate as before
         try:
             digest = layout_digest(meta, tensors, pieces, coord.rank, coord.world_size)
         except (KeyError, ValueError, IndexError):
@@ -999,4 +1006,5 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
             ex.close()
         elif seg is not None:
             seg.close()
+        guard.__exit__(None, None, None)
     return sched

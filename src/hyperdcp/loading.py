@@ -117,7 +117,7 @@ def read_chunk(files: DataFiles, meta: Metadata, read: ChunkRead, verify: bool, 
     what = f"tensor {read.fqn!r} chunk {t.chunks.box(read.chunk)}"
     files.fd(read.file)  # size and header checked against the file before any buffer is sized from the metadata
     direct = _direct_target(read, meta) if out is None and direct_ok and len(read.pieces) == 1 else None
-    buf = direct if direct is not None else out if out is not None else np.empty(read.nbytes, dtype=np.uint8)
+    buf = direct if direct is not None else out if out is not None else _buffer(read.nbytes, what)
     files.read_into(read.file, read.begin + read.lo, buf, what)
     if verify:
         B = meta.checksum_block_bytes
@@ -128,6 +128,76 @@ def read_chunk(files: DataFiles, meta: Metadata, read: ChunkRead, verify: bool, 
                 f"{read.begin + bad * B}..): the data file is corrupted; restore it or load another checkpoint"
             )
     return buf, direct is not None
+
+
+def _buffer(nbytes: int, what: str) -> np.ndarray:
+    from .errors import StorageError
+
+    try:
+        return np.empty(nbytes, dtype=np.uint8)
+    except MemoryError:
+        raise StorageError(f"out of memory allocating a {nbytes}-byte read buffer for {what}; free memory, or lower "
+                           "read_threads (each thread stages at most STAGING_BYTES)") from None
+
+
+#: bytes one read thread stages at most for destinations it cannot read into directly (strided, cast,
+#: partial chunks); at least two checksum blocks, so a verified read never re-reads much
+STAGING_BYTES = 32 << 20
+
+
+def bounded_reads(meta: Metadata, read: ChunkRead, verify: bool, bound: int = 0) -> list[ChunkRead]:
+    """``read`` cut into reads of at most about ``bound`` bytes (plus checksum-block widening), each serving
+    row-slabs of the pieces; ``[read]`` when it is small enough. Memory stays bounded whatever the size of
+    the chunk or the strides of the destination."""
+    from .core import dtypes
+    from .planning.load_plan import chunk_strides
+    from .storage.checksum import block_range
+    B = meta.checksum_block_bytes
+    bound = max(int(bound or STAGING_BYTES), 2 * B if verify else 1)
+    if read.nbytes <= bound:
+        return [read]
+    t = meta.tensors[read.fqn]
+    cb = t.chunks.box(read.chunk)
+    isz = dtypes.itemsize(t.dtype)
+    size = int(t.chunks.end[read.chunk] - t.chunks.begin[read.chunk])
+    strides = chunk_strides(cb.lengths, isz)
+    out: list[ChunkRead] = []
+    from .planning.load_plan import byte_span
+
+    for p in read.pieces:
+        for box in _cut(cb, p.box, strides, isz, bound):
+            lo, hi = byte_span(cb, box, isz)
+            if verify:
+                lo, hi = block_range(lo, hi, B, size)
+            out.append(ChunkRead(read.fqn, read.chunk, read.file, read.begin, lo, hi,
+                                 [Piece(p.fqn, p.chunk, box, p.dst, p.dst_dtype)]))
+    return out
+
+
+def _cut(cb: "Box", box: "Box", strides: tuple[int, ...], isz: int, bound: int) -> list["Box"]:
+    """Sub-boxes of ``box`` whose byte spans in the chunk are at most ``bound`` (one element at least)."""
+    from .core.boxes import Box
+    from .planning.load_plan import byte_span
+    s, e = byte_span(cb, box, isz)
+    if e - s <= bound:
+        return [box]
+    d = next((i for i, n in enumerate(box.lengths) if n > 1), None)
+    if d is None:
+        return [box]
+    slab = Box(box.offsets, box.lengths[:d] + (1,) + box.lengths[d + 1:])
+    s1, e1 = byte_span(cb, slab, isz)
+    out: list[Box] = []
+    if e1 - s1 <= bound:  # whole slabs along d, k at a time
+        k = max(1, (bound - (e1 - s1)) // strides[d] + 1)
+        for a in range(0, box.lengths[d], k):
+            n = min(k, box.lengths[d] - a)
+            out.append(Box(box.offsets[:d] + (box.offsets[d] + a,) + box.offsets[d + 1:],
+                           box.lengths[:d] + (n,) + box.lengths[d + 1:]))
+        return out
+    for a in range(box.lengths[d]):  # one slab is too big: cut each along the next dimensions
+        one = Box(box.offsets[:d] + (box.offsets[d] + a,) + box.offsets[d + 1:], slab.lengths)
+        out.extend(_cut(cb, one, strides, isz, bound))
+    return out
 
 
 def _direct_target(read: ChunkRead, meta: Metadata) -> np.ndarray | None:
@@ -145,11 +215,20 @@ def _direct_target(read: ChunkRead, meta: Metadata) -> np.ndarray | None:
 
 def execute_local_reads(files: DataFiles, meta: Metadata, reads: list[ChunkRead], opts: LoadOptions) -> None:
     def one(r: ChunkRead) -> None:
-        buf, direct = read_chunk(files, meta, r, opts.verify_checksums)
-        if not direct:
-            for p in r.pieces:
-                if p.dst is not None:
-                    copy_piece(buf, r, meta, p)
+        if len(r.pieces) == 1 and _direct_target(r, meta) is not None:
+            subs = [r]  # straight into the destination: no staging buffer
+        else:
+            subs = bounded_reads(meta, r, opts.verify_checksums)
+        # one staging buffer per read, reused by its bounded sub-reads
+        stage = _buffer(max(s.nbytes for s in subs), f"tensor {r.fqn!r}") if len(subs) > 1 else None
+        for sub in subs:
+            out = stage[: sub.nbytes] if stage is not None else None
+            buf, direct = read_chunk(files, meta, sub, opts.verify_checksums, out=out)
+            if not direct:
+                for p in sub.pieces:
+                    if p.dst is not None:
+                        copy_piece(buf, sub, meta, p)
+            del buf
 
     run_all(one, sorted(reads, key=lambda r: (r.file, r.begin + r.lo)), opts.read_threads)
 

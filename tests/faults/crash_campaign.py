@@ -1,6 +1,7 @@
 """Crash campaign: kill -9 one rank at a random point of a multi-rank save, then check the invariants.
 
     python -m tests.faults.crash_campaign --trials 50 --world 3 [--mode sync|async-rank|async-persist]
+                                          [--signal KILL|TERM|STOP]
 
 Each trial spawns ``--world`` local gloo ranks that save step k of a deterministic sharded state to
 ``ROOT/step-k`` (timeout= a few seconds); once every rank is about to save, the driver sleeps a random
@@ -13,6 +14,14 @@ process). Then:
   it is not complete: loading it raises IncompleteCheckpointError / CheckpointNotFoundError, no rank
   reported it saved, and ``latest_checkpoint`` does not pick it;
 * the next trial saves to the same path again; once it completes, no temporary directory of it is left.
+
+``--signal`` (second campaign, issue 11): ``TERM`` must leave nothing behind once every process of the
+trial has ended -- no temporary directory, no lock, no orphaned ``/dev/shm/hyperdcp-*`` file -- and
+the victim must still die of SIGTERM; ``STOP`` freezes the victim (a persist process stuck on a hung
+file system): every other process must end within the bound (its persist process is declared stuck
+after ``HYPERDCP_PERSIST_STALL_SECONDS``). In every mode, a killed *training* process's persist process
+finishes or cleans up the save, so ``async-rank`` trials must leave nothing either; and at the end of
+the campaign (after the final save, which reclaims orphans) no orphaned shared-memory file is left.
 """
 
 from __future__ import annotations
@@ -32,6 +41,30 @@ NTENSORS = 6
 ROWS_PER_RANK = 256
 COLS = 2048
 TIMEOUT = 5.0
+STALL_S = 2.0  # HYPERDCP_PERSIST_STALL_SECONDS in the ranks: a stopped persist process counts as stuck after this
+SIGNALS = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM, "STOP": signal.SIGSTOP}
+
+
+def shm_orphans() -> list[str]:
+    """hyperdcp shared-memory files in /dev/shm whose creating process is gone."""
+    from hyperdcp import shm
+
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith("hyperdcp-") and shm.orphaned(n))
+    except OSError:
+        return []
+
+
+def _gone(pids: list[int], wait: float) -> bool:
+    """Wait until every pid has exited (persist processes finish their save after their parent died)."""
+    from hyperdcp.shm import start_time
+
+    deadline = time.monotonic() + wait
+    while any(p and start_time(p) is not None for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def full(i: int, step: int, world: int):
@@ -72,11 +105,13 @@ def worker(rank: int, world: int, root: str, step: int, mode: str, coordination:
             if mode == "async-rank":  # the kill may also land during staging
                 open(ready, "w").close()
             fut = async_save(state, path, timeout=timeout, coordination=coordination)
+            # the persist process handling this save, as the async_save API reports it
+            with open(ready + (".pid.tmp" if mode == "async-rank" else ".tmp"), "w") as f:
+                f.write(str(fut.worker_pid or 0))
             if mode == "async-persist":
-                # the persist process handling this save, as the async_save API reports it
-                with open(ready + ".tmp", "w") as f:
-                    f.write(str(fut.worker_pid or 0))
                 os.rename(ready + ".tmp", ready)
+            else:
+                os.rename(ready + ".pid.tmp", ready + ".pid")
             fut.result(timeout=60)
     except hyperdcp.CheckpointError as e:
         return ("error", type(e).__name__, str(e)[:500], time.perf_counter() - t0)
@@ -113,7 +148,8 @@ def _void(out: dict) -> bool:
 
 
 def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, root: str | None = None, log=print,
-             coordination: str = "gloo", warmup: int = 2, window_scale: float = 1.0, timeout: float = TIMEOUT) -> dict:
+             coordination: str = "gloo", warmup: int = 2, window_scale: float = 1.0, timeout: float = TIMEOUT,
+             sig: str = "KILL") -> dict:
     """``warmup`` uninterrupted saves measure the commit latency L (from "every rank is about to save" to
     the checkpoint directory appearing, seen by this driver); each trial kills after a delay drawn
     uniformly from [0, window_scale * L], where L is the median of the latencies seen so far (trials that
@@ -140,9 +176,22 @@ def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, roo
     def ready_files(step):
         return [os.path.join(root, f".ready-{step}-{k}") for k in range(world)]
 
+    env = {"HYPERDCP_PERSIST_STALL_SECONDS": str(STALL_S)}
+    signum = SIGNALS[sig]
+
+    def persist_pids(step):
+        out = []
+        for p in ready_files(step):
+            for q in (p, p + ".pid"):
+                try:
+                    out.append(int(open(q).read() or 0))
+                except (OSError, ValueError):
+                    pass
+        return out
+
     def clear_ready(step):
         for p in ready_files(step):
-            for q in (p, p + ".tmp"):
+            for q in (p, p + ".tmp", p + ".pid", p + ".pid.tmp"):
                 if os.path.exists(q):
                     os.unlink(q)
 
@@ -150,7 +199,7 @@ def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, roo
     prev, step = -1, 0
     for w in range(max(1, warmup)):
         path = os.path.join(root, f"step-{step}")
-        r = Ranks(world, worker, root, step, mode, coordination, timeout)
+        r = Ranks(world, worker, root, step, mode, coordination, timeout, env=env)
         _wait_ready(ready_files(step), time.monotonic() + 120)
         t0 = time.monotonic()
         while not os.path.exists(path) and time.monotonic() < t0 + 60:
@@ -173,7 +222,7 @@ def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, roo
             info: dict = {"trial": valid, "step": step}
             ready = ready_files(step)
             path = os.path.join(root, f"step-{step}")
-            r = Ranks(world, worker, root, step, mode, coordination, timeout)
+            r = Ranks(world, worker, root, step, mode, coordination, timeout, env=env)
             if not _wait_ready(ready, time.monotonic() + 120):
                 out = r.collect(5)
                 r.kill_all()
@@ -205,7 +254,7 @@ def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, roo
             visible = os.path.exists(path)
             try:
                 if target:
-                    os.kill(target, signal.SIGKILL)
+                    os.kill(target, signum)
             except ProcessLookupError:
                 pass
             t_kill = time.monotonic()
@@ -215,9 +264,33 @@ def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, roo
             info.update(delay=round(delay, 4), window=round(window, 4), victim=victim, pid=target, phase=phase)
             out = r.collect(4 * timeout + 20)
             info["survivors_s"] = round(time.monotonic() - t_kill, 2)
-            r.kill_all()
+            pids = [p for p in persist_pids(step) if p]
+            if mode != "async-persist":
+                r.procs[victim].join(15)  # it may have reported its result just before the signal came
+            victim_exit = r.procs[victim].exitcode if mode != "async-persist" else None
+            victim_reported = out.get(victim, ("",))[0] == "ok"
+            r.kill_all()  # a stopped victim goes too (SIGKILL works on stopped processes)
             clear_ready(step)
             problems = []
+            if sig == "TERM" and mode != "async-persist" and victim_exit != -signal.SIGTERM and not (
+                    victim_reported and victim_exit == 0):
+                problems.append(f"the victim did not die of SIGTERM (exit {victim_exit}): a handler swallowed it")
+            # every process of the trial has ended (persist processes finish a save their parent left)
+            if not _gone(pids, 4 * timeout + 20):
+                problems.append(f"persist processes {pids} outlived their training processes")
+            # SIGKILL/STOP of a committer may leave its temporary directory and lock for the next save to remove;
+            # so may SIGTERM of a synchronous save (hyperdcp installs no handler there)
+            strict = (sig == "TERM" and mode != "sync") or mode == "async-rank"
+            left = sorted(e for e in os.listdir(root) if e.startswith(f".step-{step}.hyperdcp-"))
+            if left and strict:
+                problems.append(f"left behind by a {sig}ed {'training process' if mode != 'async-persist' else 'persist process'}: {left}")
+            elif left:
+                bump(f"SIG{sig} of the committer: temporary directory/lock left for the next save")
+            orphans = shm_orphans()
+            if orphans and sig == "TERM":
+                problems.append(f"orphaned shared memory after SIGTERM: {orphans}")
+            elif orphans:
+                bump(f"SIG{sig}: orphaned shared memory left for the next save to reclaim")
             survivors = {k: v for k, v in out.items() if k != victim or mode == "async-persist"}
             if any(v[0] == "hung" for v in survivors.values()):
                 problems.append(f"hung ranks: {[k for k, v in survivors.items() if v[0] == 'hung']}")
@@ -284,10 +357,14 @@ def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, roo
                 prev, step = step, step + 1
             # else: the next trial saves to the same path again (retry over the leftovers)
         # a final uninterrupted save over whatever the last trial left
-        r = Ranks(world, worker, root, step, mode, coordination, timeout)
+        r = Ranks(world, worker, root, step, mode, coordination, timeout, env=env)
         out = r.collect(120)
         r.kill_all()
+        _gone(persist_pids(step), 30)
         clear_ready(step)
+        orphans_at_end = shm_orphans()  # the final save reclaimed any the trials left
+        if orphans_at_end:
+            failures.append({"trial": "final", "problems": [f"orphaned shared memory after the final save: {orphans_at_end}"]})
         final_ok = all(o[0] == "ok" and o[1][0] == "saved" for o in out.values()) and _complete(
             os.path.join(root, f"step-{step}"))
         if not final_ok:
@@ -297,7 +374,7 @@ def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, roo
         if tmp is not None:
             tmp.cleanup()
     counts.pop("_pending_retry", None)
-    return {"mode": mode, "coordination": coordination if mode != "sync" else None, "world": world, "trials": trials,
+    return {"mode": mode, "signal": sig, "coordination": coordination if mode != "sync" else None, "world": world, "trials": trials,
             "seed": seed, "timeout_s": timeout, "void_trials": voids, "warmup_commit_latency_s": warm_latencies,
             "final_window_s": round(window_scale * float(np.median(latencies)), 3),
             "max_survivor_end_s": max_survivor_s, "final_save_ok": final_ok, "leftover_entries_at_end": leftovers,
@@ -322,11 +399,12 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=TIMEOUT, help="the saves' timeout= (raise it on busy machines)")
     ap.add_argument("--warmup", type=int, default=2, help="uninterrupted saves that calibrate the commit latency")
     ap.add_argument("--window-scale", type=float, default=1.0, help="kill delay ~ U[0, scale x commit latency]")
+    ap.add_argument("--signal", default="KILL", choices=tuple(SIGNALS), help="what the victim gets")
     ap.add_argument("--root", help="directory to save into (default: a temporary one)")
     ap.add_argument("--json", help="write the summary here")
     a = ap.parse_args(argv)
     res = campaign(a.trials, a.world, a.mode, a.seed, a.root, coordination=a.coordination, warmup=a.warmup,
-                   window_scale=a.window_scale, timeout=a.timeout, log=lambda m: print(m, flush=True))
+                   window_scale=a.window_scale, timeout=a.timeout, sig=a.signal, log=lambda m: print(m, flush=True))
     return finish(res, a.json, len(res["failures"]), hidden=("failures", "trials_log"))
 
 

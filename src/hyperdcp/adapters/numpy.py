@@ -32,8 +32,9 @@ def to_sharded(fqn: str, arr: np.ndarray, ctx, for_load: bool) -> ShardedTensor:
                              layout=replicated_layout(ctx.world_size))
     if not arr.flags.writeable:
         raise StateDictError(f"cannot load into {fqn!r}: the numpy array is read-only; pass a writable array")
-    tmp = np.empty(arr.shape, dtype=arr.dtype)
-    st = ShardedTensor(fqn, code, box.lengths, [LocalShard(box, flat_bytes(tmp), replicas)],
-                       layout=replicated_layout(ctx.world_size))
-    st.finish = lambda: np.copyto(arr, tmp)
-    return st
+    if arr.size > 1 and any(s == 0 and n > 1 for s, n in zip(arr.strides, arr.shape)):
+        raise StateDictError(f"cannot load into {fqn!r}: several of its elements share memory (a broadcast view, "
+                             f"strides {arr.strides}); load into an array that owns its memory, e.g. its .copy()")
+    # strided: a uint8 view of shape shape + (itemsize,); loading reads bounded pieces straight into it
+    return ShardedTensor(fqn, code, box.lengths, [LocalShard(box, arr[..., None].view(np.uint8), replicas)],
+                         layout=replicated_layout(ctx.world_size))

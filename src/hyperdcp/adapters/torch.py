@@ -72,14 +72,54 @@ def dtype_code(fqn: str, dtype: torch.dtype) -> str:
 
 
 def host_bytes(t: torch.Tensor) -> np.ndarray:
-    """Flat uint8 host view of a tensor's bytes (copies only if not on CPU or not contiguous)."""
-    t = t.detach()
+    """Flat uint8 host view of a tensor's bytes (copies only if not on CPU, not contiguous, or a conj/neg view)."""
+    t = t.detach().resolve_conj().resolve_neg()  # the values the view shows, not its lazy-bit storage
     if t.device.type != "cpu":
         t = t.to("cpu")
     t = t.contiguous()
     if t.dim() == 0:
         t = t.reshape(1)
     return t.view(torch.uint8).reshape(-1).numpy()
+
+
+def strided_bytes(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as a strided uint8 array of shape ``t.shape + (itemsize,)`` (shares memory)."""
+    isz = t.element_size()
+    store = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
+    return np.lib.stride_tricks.as_strided(store[t.storage_offset() * isz:], shape=tuple(t.shape) + (isz,),
+                                           strides=tuple(s * isz for s in t.stride()) + (1,), writeable=True)
+
+
+def check_dense(fqn: str, value: torch.Tensor, for_load: bool) -> None:
+    """Refuse sparse, nested and other non-strided tensors (and, to load into, self-overlapping views)."""
+    what = "load into" if for_load else "save"
+    if getattr(value, "is_nested", False):
+        raise StateDictError(f"cannot {what} {fqn!r}: it is a nested tensor; hyperdcp stores dense tensors: "
+                             "store its components (e.g. .unbind()) or a padded dense tensor instead")
+    if value.layout is not torch.strided:
+        raise StateDictError(f"cannot {what} {fqn!r}: it is a {value.layout} tensor; hyperdcp stores dense strided "
+                             "tensors: convert it with .to_dense() (and back after loading)")
+
+
+def check_no_overlap(fqn: str, dst: torch.Tensor) -> None:
+    """Refuse to load into a view whose elements share memory (an expand()ed or broadcast view)."""
+    if _overlaps(dst):
+        raise StateDictError(
+            f"cannot load into {fqn!r}: several of its elements share memory (an expand()ed or broadcast view, "
+            f"strides {tuple(dst.stride())}); load into a tensor that owns its memory, e.g. its .clone()")
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether distinct elements of ``t`` may share memory (a sufficient check for non-overlap fails)."""
+    if t.is_contiguous() or t.numel() <= 1:
+        return False
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
+    span = 1
+    for st, n in dims:
+        if st < span:
+            return True
+        span = st * n
+    return False
 
 
 def _legacy_sharded_types() -> tuple:
@@ -336,6 +376,8 @@ def _dtype(value: torch.Tensor):
 
 
 def to_sharded(fqn: str, value: torch.Tensor, ctx, for_load: bool) -> ShardedTensor:
+    if not (_LEGACY and isinstance(value, _LEGACY)):
+        check_dense(fqn, value, for_load)
     shape, parts, reps = _parts(fqn, value, ctx)
     code = dtype_code(fqn, _dtype(value))
     for box, sl, local in parts:
@@ -352,12 +394,17 @@ def to_sharded(fqn: str, value: torch.Tensor, ctx, for_load: bool) -> ShardedTen
     for box, sl, local in parts:
         local = local.detach()
         dst = local[sl] if box.ndim else local
-        if dst.device.type == "cpu" and dst.is_contiguous():
-            flat = dst.reshape(1) if dst.dim() == 0 else dst
-            shards.append(LocalShard(box, flat.view(torch.uint8).reshape(-1).numpy(), reps))
-            continue
         if dst.device.type == "meta":
             raise StateDictError(f"cannot load into {fqn!r}: its local shard is on the meta device; allocate it first")
+        check_no_overlap(fqn, dst)
+        if dst.device.type == "cpu" and not (dst.is_conj() or dst.is_neg()):
+            if dst.is_contiguous():
+                flat = dst.reshape(1) if dst.dim() == 0 else dst
+                data = flat.view(torch.uint8).reshape(-1).numpy()
+            else:  # strided: read in bounded pieces straight into the view (no full temporary)
+                data = strided_bytes(dst)
+            shards.append(LocalShard(box, data, reps))
+            continue
         host = torch.empty(box.lengths, dtype=dst.dtype, pin_memory=dst.device.type == "cuda")
         shards.append(LocalShard(box, host_bytes(host) if host.dim() else host.reshape(1).view(torch.uint8).numpy(), reps))
         copies.append((dst, host))

@@ -6,7 +6,8 @@
 See :mod:`hyperdcp.async_save.saver` for the coordination modes.
 """
 
-from .future import AsyncSaveError, AsyncSaveTimeoutError, PersistProcessDiedError, SaveFuture, SaveInProgressError
+from .future import (AsyncSaveError, AsyncSaveTimeoutError, PersistProcessDiedError, PersistProcessStuckError, SaveFuture,
+                     SaveInProgressError)
 from .rank_files import finalize
 from .saver import DEFAULT_MODE, MODES, async_save, shutdown
 
@@ -18,6 +19,7 @@ __all__ = [
     "AsyncSaveError",
     "AsyncSaveTimeoutError",
     "PersistProcessDiedError",
+    "PersistProcessStuckError",
     "SaveInProgressError",
     "MODES",
     "DEFAULT_MODE",

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+import time
+from typing import Callable
 
 from ..errors import CheckpointError, CoordinationError
 from ..saving import SaveResult
@@ -21,6 +24,11 @@ class SaveInProgressError(AsyncSaveError):
 
 class PersistProcessDiedError(AsyncSaveError, CoordinationError):
     """The persist process of this rank died during a save."""
+
+
+class PersistProcessStuckError(PersistProcessDiedError):
+    """The persist process of this rank was stopped or blocked in the kernel without progress (see
+    :meth:`~hyperdcp.async_save.persist_process.PersistWorker.stuck`); it was killed, the save not committed."""
 
 
 class AsyncSaveTimeoutError(AsyncSaveError, TimeoutError):
@@ -60,40 +68,56 @@ class SaveFuture(concurrent.futures.Future):
         self.first_call = first_call
         #: pid of the persist process handling the save (for diagnostics)
         self.worker_pid: int | None = None
+        self._finish_lock = threading.Lock()
 
     @property
     def _exc(self) -> BaseException | None:
         """The save's error once done (None while pending or after success)."""
         return self._exception
 
+    #: set by the session: called about twice a second while waiting; fails the save if its persist process is stuck
+    _watch: Callable[[], None] | None = None
+
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until the save is done; True when it is."""
-        done, _ = concurrent.futures.wait([self], timeout)
-        return bool(done)
+        """Wait until the save is done; True when it is.
+
+        While waiting, the session's watch (``_watch``) runs about twice a second and fails the save
+        when its persist process is stuck, so no wait is unbounded."""
+        if self._watch is None:
+            done, _ = concurrent.futures.wait([self], timeout)
+            return bool(done)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            done, _ = concurrent.futures.wait([self], 0.5 if left is None else max(0.0, min(0.5, left)))
+            if done:
+                return True
+            if left is not None and left <= 0.5:
+                return self.done()
+            self._watch()
 
     def result(self, timeout: float | None = None) -> SaveResult:
-        try:
-            return super().result(timeout)
-        except concurrent.futures.TimeoutError:
-            if self.done():  # the save itself raised a TimeoutError
-                raise
+        if not self.wait(timeout):
             raise AsyncSaveTimeoutError(
                 f"the async save to {self.path!r} (rank {self.rank}) is not finished after {timeout}s; it goes on in "
                 "the background: call result() again, or raise the timeout"
             ) from None
+        return super().result(0)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        try:
-            return super().exception(timeout)
-        except concurrent.futures.TimeoutError:
+        if not self.wait(timeout):
             raise AsyncSaveTimeoutError(
                 f"the async save to {self.path!r} (rank {self.rank}) is not finished after {timeout}s"
             ) from None
+        return super().exception(0)
 
     def _finish(self, result: SaveResult | None, exc: BaseException | None) -> None:
-        if exc is not None:
-            self.set_exception(exc)
-        else:
+        with self._finish_lock:
+            if self.done():
+                return  # the first outcome stands (e.g. "stuck", then "died" once it is killed)
+            if exc is not None:
+                self.set_exception(exc)
+                return
             from ..logs import log_save
 
             log_save(result, asynchronous=True)

@@ -174,6 +174,10 @@ def _area(path: str, nbytes: int):
     if cur is not None:
         cur.close()
     _STATE["area"] = ShmArea(nbytes, path=path, readonly=True)
+    try:  # mapped: the name can go, so nothing stays in /dev/shm whichever process dies first
+        os.unlink(path)
+    except OSError:
+        pass
     return _STATE["area"]
 
 
@@ -320,6 +324,10 @@ def _save(msg: dict) -> dict:
 
 
 def _error_reply(e: BaseException) -> dict:
+    if isinstance(e, _Terminated):
+        return {"ok": False, "type": "PersistProcessDiedError", "module": "hyperdcp.async_save.future",
+                "message": f"{e}; the checkpoint was not committed (its temporary directory and lock were removed; a "
+                           "previous checkpoint at that path is intact)", "traceback": "", "rank_errors": {}}
     return {
         "ok": False, "type": type(e).__qualname__, "module": type(e).__module__, "message": str(e),
         "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
@@ -327,16 +335,48 @@ def _error_reply(e: BaseException) -> dict:
     }
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived during a save: unwind it (its temporary directory and lock are removed), then die."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    if _STATE.get("busy") and not _STATE.get("terminating"):
+        _STATE["terminating"] = True
+        raise _Terminated(f"the persist process (pid {os.getpid()}) received SIGTERM during the save")
+    if not _STATE.get("terminating"):
+        _die_by_sigterm()
+
+
+def _die_by_sigterm() -> None:
+    import signal
+
+    if _STATE["area"] is not None:
+        _STATE["area"].close()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(143)
+
+
 def _watch_parent(ppid: int) -> None:
+    """The training process is gone: exit when idle; a save in flight is finished first (committed, or
+    failed and cleaned up: no temporary directory or lock is left), bounded by its own timeout."""
     while True:
         time.sleep(0.5)
         if os.getppid() != ppid:
-            os._exit(3)
+            _STATE["orphan"] = True
+            if not _STATE.get("busy"):
+                os._exit(3)
 
 
 def main(fd: int) -> None:
+    import signal
+
     conn = Connection(fd)
     send_lock = threading.Lock()
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):
+        pass
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     while True:
         try:
@@ -357,10 +397,16 @@ def main(fd: int) -> None:
             stop = threading.Event()
             if msg.get("mode") == "gloo":
                 threading.Thread(target=_watch_abort, args=(msg, conn, send_lock, stop), daemon=True).start()
+            _STATE["busy"] = True
             try:
-                reply = {"ok": True, **_save(msg)}
-            except BaseException as e:  # noqa: BLE001 - everything goes back to the training process
-                reply = _error_reply(_explain_gloo_failure(msg, e) if msg.get("mode") == "gloo" else e)
+                try:
+                    reply = {"ok": True, **_save(msg)}
+                except BaseException as e:  # noqa: BLE001 - everything goes back to the training process
+                    reply = _error_reply(_explain_gloo_failure(msg, e) if msg.get("mode") == "gloo" else e)
+            except _Terminated:  # SIGTERM while building the reply: the save is over either way
+                reply = {"ok": False, "type": "PersistProcessDiedError", "module": "hyperdcp.async_save.future",
+                         "message": "the persist process received SIGTERM", "traceback": "", "rank_errors": {}}
+            _STATE["busy"] = False
             area = _STATE["area"]
             if area is not None:
                 reply["mapped"] = area.path
@@ -370,6 +416,10 @@ def main(fd: int) -> None:
                     conn.send(reply)
                 except (OSError, EOFError):
                     break
+            if _STATE.get("terminating"):
+                _die_by_sigterm()
+            if _STATE.get("orphan"):
+                break
     if _STATE["pg_prefix"] is not None:
         try:
             import torch.distributed as dist
@@ -385,6 +435,35 @@ def main(fd: int) -> None:
 # --------------------------------------------------------------------------------------------
 # parent side
 # --------------------------------------------------------------------------------------------
+def _proc_progress(pid: int) -> tuple[str, tuple | None]:
+    """(state, progress counters) of a process: 'T' if any thread is stopped, else 'D' if one is in
+    uninterruptible sleep, else the main thread's state; counters: I/O characters and CPU ticks."""
+    state = "?"
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        tids = [str(pid)]
+    states = []
+    cpu = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                rest = f.read().rsplit(b")", 1)[1].split()
+            states.append(rest[0].decode())
+            cpu += int(rest[11]) + int(rest[12])
+        except (OSError, IndexError, ValueError):
+            continue
+    if states:
+        state = "T" if any(x in ("T", "t") for x in states) else "D" if "D" in states else states[0]
+    io = ()
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            io = tuple(line.split()[1] for line in f if line.startswith(("rchar", "wchar")))
+    except OSError:
+        pass
+    return state, (cpu, io)
+
+
 class _Pending:
     """One command's reply, filled in by the reader thread."""
 
@@ -436,6 +515,37 @@ class PersistWorker:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    #: seconds a persist process may stay stopped, or blocked in the kernel without doing any I/O or
+    #: computing, before it counts as stuck (``HYPERDCP_PERSIST_STALL_SECONDS``)
+    STALL_SECONDS = 30.0
+    _stall_since: float | None = None
+    _stall_mark: tuple | None = None
+
+    def stuck(self) -> str | None:
+        """Why this persist process is stuck, or None while it is alive and not stuck.
+
+        Stuck: stopped (SIGSTOP, a debugger) or with a thread in uninterruptible sleep ('D': e.g. a write to
+        a hung network file system) while its I/O and CPU counters do not move, for ``STALL_SECONDS``. A
+        process waiting for a peer sleeps interruptibly and is never stuck here (the save's timeout bounds it).
+        """
+        if not self.alive():
+            return None
+        limit = float(os.environ.get("HYPERDCP_PERSIST_STALL_SECONDS") or self.STALL_SECONDS)
+        state, mark = _proc_progress(self.pid)
+        blocked = state in ("T", "t") or (state == "D" and mark == self._stall_mark)
+        now = time.monotonic()
+        self._stall_mark = mark
+        if not blocked:
+            self._stall_since = None
+            return None
+        if self._stall_since is None:
+            self._stall_since = now
+        if now - self._stall_since < limit:
+            return None
+        what = ("is stopped (SIGSTOP or a debugger)" if state in ("T", "t") else
+                "is blocked in the kernel without any I/O (a write stuck on a network file system?)")
+        return f"the persist process of rank {self.rank} (pid {self.pid}) {what} for {now - self._stall_since:.0f}s"
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -30,7 +30,8 @@ from ..errors import CheckpointError, RemoteRankError
 from ..options import SaveOptions, resolve
 from ..saving import SaveResult
 from .file_coordination import write_abort
-from .future import (AsyncSaveError, PersistProcessDiedError, RemoteTraceback, SaveFuture, SaveInProgressError)
+from .future import (AsyncSaveError, PersistProcessDiedError, PersistProcessStuckError, RemoteTraceback, SaveFuture,
+                     SaveInProgressError)
 from .persist_process import PersistWorker
 from .staging import Stager, writers_alone
 
@@ -64,6 +65,11 @@ class _Session:
         self.xroots: set[str] = set()
         self.store = None
         self.token, self.host, self.port = self._rendezvous()
+        from .. import shm
+        from .staging import staging_dirs
+
+        for d in staging_dirs():  # staging areas and read-once segments of killed processes on this host
+            shm.reclaim(d)
 
     def _rendezvous(self) -> tuple[str, str, int]:
         """Once per session: agree on a session token (and the gloo store address) via the parent group."""
@@ -91,7 +97,8 @@ class _Session:
         if w is not None and (self.restart or not w.alive()):
             w.kill()
             w = None
-            if self.stager.area is not None and self.stager.area.unlinked:
+            area = self.stager.area
+            if area is not None and (area.unlinked or not os.path.exists(area.path)):
                 self.stager.release()  # the new process cannot open an unlinked area: stage into a new one
         if w is None:
             w = self.worker = PersistWorker(self.rank, seq)
@@ -124,11 +131,22 @@ class _Session:
                     f"rank {self.rank}: an async save to {prev.path!r} is still in flight; call its result() first, or "
                     "pass wait=True to wait for it"
                 )
-            prev.wait()
+            prev.wait()  # bounded: a stuck persist process fails it (see _check_stuck)
         path = os.path.abspath(os.fspath(path))
         seq = self.seq
         self.seq += 1
         worker = self._worker(seq)  # before staging: a replaced process needs a fresh staging area
+        from ..shm import sigterm_cleanup
+
+        with sigterm_cleanup(self._unlink_area):  # SIGTERM while staging: no named area is left in /dev/shm
+            return self._stage_and_send(worker, seq, state_dict, path, opts, exchange_dir, t0)
+
+    def _unlink_area(self) -> None:
+        if self.stager.area is not None:
+            self.stager.area.unlink()
+
+    def _stage_and_send(self, worker: PersistWorker, seq: int, state_dict: Any, path: str, opts: SaveOptions,
+                        exchange_dir: str | None, t0: float) -> SaveFuture:
         stage_error: BaseException | None = None
         try:
             copy = self.stager.stage(state_dict, self.coord)
@@ -158,6 +176,7 @@ class _Session:
             msg["stage_error"] = f"{type(stage_error).__name__}: {stage_error}"
         fut = SaveFuture(path, self.rank, seq, 0.0, bool(copy and copy.first))
         fut.worker_pid = worker.pid
+        fut._watch = lambda: self._check_stuck(fut, worker)
         self.inflight = fut
         if stage_error is not None and mode == "none":
             fut._finish(None, stage_error)
@@ -167,6 +186,21 @@ class _Session:
         if stage_error is not None:
             raise stage_error
         return fut
+
+    def _check_stuck(self, fut: SaveFuture, worker: PersistWorker) -> None:
+        """Called while someone waits for ``fut``: a stuck persist process (:meth:`PersistWorker.stuck`) is
+        killed and ``fut`` fails naming this rank and that process, so no wait on it is unbounded."""
+        why = worker.stuck() if not fut.done() else None
+        if why is None:
+            return
+        fut._finish(None, PersistProcessStuckError(
+            f"rank {self.rank}: {why} while saving {fut.path!r}; it was killed and that checkpoint is not committed "
+            "(a previous checkpoint at that path is intact); check the storage of that path (a hung network file "
+            "system?) -- the next async_save starts a new persist process"))
+        print(f"hyperdcp: rank {self.rank}: {why}; killed it, the save to {fut.path!r} is not committed", file=sys.stderr)
+        if self.worker is worker:
+            self.restart = True
+        threading.Thread(target=worker.kill, daemon=True).start()  # a 'D' process dies only once its I/O returns
 
     def _complete(self, worker: PersistWorker, msg: dict, fut: SaveFuture, xdir: str | None, reply: dict | None,
                   exc: BaseException | None) -> None:
@@ -250,7 +284,10 @@ class _Session:
         if fut is not None and fut.done() and fut._exc is not None and report and not getattr(fut, "_reported", True):
             print(f"hyperdcp: rank {self.rank}: the async save to {fut.path!r} failed: {fut._exc}", file=sys.stderr)
         if self.worker is not None:
-            self.worker.stop()
+            if self.restart or self.worker.stuck() is not None:
+                self.worker.kill()
+            else:
+                self.worker.stop()
             self.worker = None
         if self.rank == 0:
             self._clean_exchange()

@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
-import secrets
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from .. import adapters
+from .. import adapters, shm
 from ..adapters import is_tensor_like
 from ..adapters.state_dict import TENSOR, _join, iter_leaves
 from ..core.boxes import full_box
@@ -45,64 +44,89 @@ def shm_dir() -> str:
     return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
 
 
-_STAGE_RE = re.compile(r"hyperdcp-stage-(\d+)-[0-9a-f]+\Z")
+def staging_dirs() -> list[str]:
+    """Where staging areas may go, in order: ``HYPERDCP_STAGING_DIR`` if set, /dev/shm, the temp directory
+    (disk-backed: slower, but a save still works where /dev/shm is small, e.g. Docker's 64 MB default)."""
+    out = []
+    for d in (os.environ.get("HYPERDCP_STAGING_DIR"), shm_dir(), tempfile.gettempdir()):
+        if d and os.path.isdir(d) and os.access(d, os.W_OK) and os.path.realpath(d) not in map(os.path.realpath, out):
+            out.append(d)
+    return out
 
 
 def remove_stale_areas(directory: str) -> int:
-    """Unlink staging files left by processes that no longer exist (e.g. a rank killed with SIGKILL
-    before its persist process mapped the area); they would otherwise hold RAM in /dev/shm forever."""
-    removed = 0
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    for name in names:
-        m = _STAGE_RE.match(name)
-        if m is None or int(m.group(1)) == os.getpid():
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-            continue  # its owner is alive
-        except ProcessLookupError:
-            pass
-        except OSError:
-            continue  # alive but not ours to signal
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed += 1
-        except OSError:
-            pass
-    return removed
+    """Unlink staging files (and read-once segments) left by processes that no longer exist (e.g. a rank
+    killed with SIGKILL before its persist process mapped the area); they would otherwise hold RAM in
+    /dev/shm forever. See :mod:`hyperdcp.shm` for how an orphan is recognised."""
+    return shm.reclaim(directory)
 
 
 class ShmArea:
-    """A named shared-memory file of ``nbytes`` bytes, mapped read-write (the owner) or read-only."""
+    """A named shared-memory file of ``nbytes`` bytes, mapped read-write (the owner) or read-only.
+
+    The owner reserves every page up front (``posix_fallocate``): a tmpfs without room fails with a
+    :class:`StorageError` here and the next staging directory is tried, instead of a SIGBUS on first touch.
+    """
 
     def __init__(self, nbytes: int, path: str | None = None, readonly: bool = False):
         self.nbytes = max(int(nbytes), 1)
         self.owner = path is None
-        self.path = path or os.path.join(shm_dir(), f"hyperdcp-stage-{os.getpid()}-{secrets.token_hex(6)}")
         flags = os.O_RDONLY if readonly else os.O_RDWR
         if self.owner:
-            remove_stale_areas(os.path.dirname(self.path))
-        try:
-            if self.owner:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                os.ftruncate(fd, self.nbytes)
-            else:
+            fd, self.path = self._create()
+        else:
+            self.path = path
+            try:
                 fd = os.open(self.path, flags)
-        except OSError as e:
-            raise StorageError(
-                f"cannot create the async-save staging area {self.path!r} ({self.nbytes} bytes): {e.strerror or e}; "
-                "/dev/shm must hold one copy of this rank's local shards"
-            ) from e
+            except OSError as e:
+                raise StorageError(f"cannot open the async-save staging area {self.path!r}: {e.strerror or e}") from e
         try:
             self.mm = mmap.mmap(fd, self.nbytes, access=mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE)
+        except (OSError, ValueError) as e:
+            if self.owner:
+                self.unlink()
+            raise StorageError(f"cannot map the async-save staging area {self.path!r} ({self.nbytes} bytes): {e}") from e
         finally:
             os.close(fd)
         self.array = np.frombuffer(self.mm, dtype=np.uint8)
         self._torch = None
         self._cuda_registered = False
+
+    def _create(self) -> tuple[int, str]:
+        tried = []
+        for d in staging_dirs():
+            shm.reclaim(d)
+            free = shm.free_bytes(d)
+            if free and free < self.nbytes:
+                tried.append(f"{d}: {free} bytes free")
+                continue
+            path = os.path.join(d, shm.new_name("stage"))
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+            except OSError as e:
+                tried.append(f"{d}: {e.strerror or e}")
+                continue
+            try:
+                os.ftruncate(fd, self.nbytes)
+                shm.reserve(fd, self.nbytes)
+            except OSError as e:
+                os.close(fd)
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+                tried.append(f"{d}: {e.strerror or e}")
+                continue
+            if d != shm_dir() and not os.environ.get("HYPERDCP_STAGING_DIR"):
+                warnings.warn(f"hyperdcp: /dev/shm cannot hold this rank's {self.nbytes}-byte async-save staging area "
+                              f"({'; '.join(tried)}); staging in {d} (disk-backed, slower). Enlarge /dev/shm (docker "
+                              "--shm-size) or set HYPERDCP_STAGING_DIR", RuntimeWarning, stacklevel=4)
+            return fd, path
+        raise StorageError(
+            f"cannot create the async-save staging area ({self.nbytes} bytes, one copy of this rank's local shards): "
+            f"{'; '.join(tried) or 'no writable directory'}; enlarge /dev/shm (docker --shm-size), point "
+            "HYPERDCP_STAGING_DIR at a directory with room, or use hyperdcp.save"
+        )
 
     def torch_view(self):
         """The area as a flat uint8 torch tensor (shares memory)."""
@@ -202,6 +226,7 @@ class Stager:
             from ..adapters import torch as tad
 
             self._tad = tad
+        tad.check_dense(fqn, value, False)  # sparse, nested: a clear error naming the key
         if isinstance(value, tad.DTensor):
             local = value._local_tensor  # what to_local() returns, without the autograd wrapper
             key = (fqn, tuple(value.shape), value.dtype, tuple(value.placements), id(value.device_mesh))
@@ -336,6 +361,7 @@ class Stager:
         except _Miss:
             return None
         now = [None] * len(fast.tensor_leaves)
+        torch_mod = fast.torch
         for j, (i, typ, shp, dt, spec) in enumerate(fast.tensor_leaves):
             v = leaves[i]
             if type(v) is not typ:
@@ -351,7 +377,7 @@ class Stager:
                     return None
                 if st is not fast.sts[j]:
                     return None
-            if cur.dtype is not dt or cur.shape != shp or not cur.is_cpu:
+            if cur.dtype is not dt or cur.shape != shp or not cur.is_cpu or cur.layout is not torch_mod.strided:
                 return None
             now[j] = cur
         vals = {}
@@ -363,7 +389,6 @@ class Stager:
                 vals[fqn] = values_codec.encode(v, fqn)
             except StateDictError:
                 return None
-        torch_mod = fast.torch
         srcs = [now[j] for j in fast.chunk_src]
         grad_mode = torch_mod.is_grad_enabled()
         torch_mod.set_grad_enabled(False)

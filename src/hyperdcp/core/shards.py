@@ -23,7 +23,8 @@ class LocalShard:
 
     ``data`` is a flat, C-ordered uint8 host buffer of ``box.numel * itemsize`` bytes. When saving it
     is read; when loading it is written (for tensors not addressable from the host, the adapter hands
-    a host buffer and a ``finish`` callback that copies it to the device).
+    a host buffer and a ``finish`` callback that copies it to the device). A strided host destination
+    may instead be a uint8 view of shape ``box.lengths + (itemsize,)`` into its memory (loads only).
     """
 
     box: Box

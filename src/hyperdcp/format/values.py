@@ -49,8 +49,8 @@ def encode(value: Any, key: str = "?", _depth: int = 0) -> list:
         return ["none"]
     if t is bool:
         return ["bool", value]
-    if t is int:
-        return ["int", str(value)]
+    if t is int:  # past sys.int_max_str_digits' reach (4300 digits): hexadecimal, which has no limit
+        return ["int", str(value) if value.bit_length() < 14000 else hex(value)]
     if t is float:
         return ["float", value.hex()]
     if t is str:
@@ -90,6 +90,8 @@ def decode(obj: Any, where: str = "metadata", _depth: int = 0) -> Any:
             (p,) = rest
             if tag == "bool" and type(p) is bool:
                 return p
+            if tag == "int" and type(p) is str and p.startswith(("0x", "-0x")) and len(p) <= 1 << 24:
+                return int(p, 16)
             if tag == "int" and type(p) is str and len(p) <= 4300:
                 return int(p)
             if tag == "float" and type(p) is str and len(p) <= 64:
