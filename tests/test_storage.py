@@ -14,6 +14,7 @@ import pytest
 
 import hyperdcp
 from hyperdcp.coordination.base import LocalCoordinator
+from hyperdcp.core import dtypes
 from hyperdcp.format import rank_files
 from hyperdcp.format.checksums import block_digests, n_blocks
 from hyperdcp.format.metadata import METADATA_FILE, Metadata
@@ -217,3 +218,52 @@ def test_no_collectives_save_is_complete_once_every_rank_file_is_there(tmp_path)
 
 def test_block_counts():
     assert n_blocks(0, 4) == 1 and n_blocks(8, 4) == 2 and n_blocks(9, 4) == 3
+
+
+def _memory_tensor(st, meta: Metadata, fqn: str) -> np.ndarray:
+    """Tensor ``fqn`` of the checkpoint in ``st``, read back chunk by chunk and verified against its checksums."""
+    t = meta.tensors[fqn]
+    out = np.zeros(t.shape, dtypes.to_numpy(t.dtype))
+    c = t.chunks
+    for i in range(len(c)):
+        buf = bytearray(int(c.end[i] - c.begin[i]))
+        st.read_into(meta.files[int(c.file[i])].name, int(c.begin[i]), buf)
+        assert block_digests(buf, meta.checksum_block_bytes) == c.checksums[i]
+        box = c.box(i)
+        out[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))] = np.frombuffer(
+            buf, out.dtype).reshape(box.lengths)
+    return out
+
+
+def test_a_save_to_storage_without_rename_commits_the_record_last(tmp_path, monkeypatch):
+    """MemoryStorage commits like an object store: per-save file names, record last, old files removed after."""
+    import hyperdcp.saving as saving
+    from hyperdcp.storage.memory import MemoryStorage
+
+    st, coord = MemoryStorage("mem://ck"), LocalCoordinator()
+    first = _state()
+    assert persist(coord, stage(first, coord), "mem://ck", SaveOptions(), None, storage=st).path == "mem://ck"
+    meta1 = Metadata.from_json(st.read_all(METADATA_FILE, 1 << 20))
+    assert st.list() == sorted([METADATA_FILE] + [f.name for f in meta1.files])
+    with pytest.raises(hyperdcp.CheckpointExistsError, match="overwrite=True"):
+        persist(coord, stage(first, coord), "mem://ck", SaveOptions(), None, storage=st)
+
+    real = saving._write_assigned
+
+    def write_then_fail(*a, **k):
+        real(*a, **k)
+        raise RuntimeError("disk gone after writing")
+
+    monkeypatch.setattr(saving, "_write_assigned", write_then_fail)
+    with pytest.raises(RuntimeError, match="disk gone"):
+        persist(coord, stage(first, coord), "mem://ck", SaveOptions(overwrite=True), None, storage=st)
+    monkeypatch.undo()
+    assert st.list() == sorted([METADATA_FILE] + [f.name for f in meta1.files])  # the failed save left nothing
+
+    second = {"w": first["w"] * 2, "b": first["b"] + 1, "step": 8}
+    persist(coord, stage(second, coord), "mem://ck", SaveOptions(overwrite=True), None, storage=st)
+    meta2 = Metadata.from_json(st.read_all(METADATA_FILE, 1 << 20))
+    assert {f.name for f in meta2.files}.isdisjoint(f.name for f in meta1.files)  # a new token per save
+    assert st.list() == sorted([METADATA_FILE] + [f.name for f in meta2.files])  # the replaced save's files are gone
+    assert np.array_equal(_memory_tensor(st, meta2, "w"), second["w"])
+    assert np.array_equal(_memory_tensor(st, meta2, "b"), second["b"]) and meta2.values == {"step": 8}

@@ -230,7 +230,7 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
             staging.release()
     mine = wire.unpack(result)[0]["files"] if result else []
     result = SaveResult(
-        path=os.path.abspath(os.fspath(path)),
+        path=storage.root if isinstance(storage, LocalStorage) else storage.url,
         rank=rank,
         world_size=W,
         bytes_written=sum(int(b) for _, b in mine),

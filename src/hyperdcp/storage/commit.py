@@ -15,7 +15,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, FormatError, Inco
 from ..format import rank_files
 from ..format.metadata import METADATA_FILE, Metadata, max_metadata_bytes
 from .local import LocalStorage
-from .local_commit import (NO_EXCHANGE_ENV, SaveTarget, _exchange, _rmtree, fsync_dir, interrupted_saves,
+from .local_commit import (NO_EXCHANGE_ENV, SaveTarget, _rename_swap, _rmtree, fsync_dir, interrupted_saves,
                            recover_interrupted_overwrite, recover_under, torch_dcp_message)
 from .safe_open import read_regular
 
@@ -79,3 +79,5 @@ def is_complete(path: str) -> bool:
 __all__ = ["NO_EXCHANGE_ENV", "SaveTarget", "fsync_dir", "interrupted_saves", "is_complete", "load_metadata",
            "merged_metadata_bytes", "read_metadata_bytes", "recover_interrupted_overwrite", "recover_under",
            "torch_dcp_message", "_exchange", "_rmtree"]
+
+_exchange = _rename_swap  # its former name

@@ -356,7 +356,7 @@ class SaveTarget:
         if not os.path.lexists(self.path):
             os.rename(self.tmp, self.path)
             return
-        if os.environ.get(NO_EXCHANGE_ENV, "") in ("", "0") and _exchange(self.tmp, self.path):
+        if os.environ.get(NO_EXCHANGE_ENV, "") in ("", "0") and _rename_swap(self.tmp, self.path):
             self._free_fds()
             _rmtree(self.tmp, quiet=True)  # the old checkpoint; a leftover is removed by the next save
             return
@@ -405,7 +405,7 @@ def _rmtree(path: str, quiet: bool = False) -> None:
 _RENAME_EXCHANGE = 2
 
 
-def _exchange(a: str, b: str) -> bool:
+def _rename_swap(a: str, b: str) -> bool:
     """Atomically swap two directories (Linux renameat2); False where unsupported."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
