@@ -14,8 +14,8 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import numpy as np
 import xxhash
@@ -23,7 +23,7 @@ import xxhash
 from .._version import __version__
 from ..core import dtypes
 from ..core.boxes import Box
-from ..errors import CheckpointError, FormatError
+from ..errors import CheckpointError, FormatError, MismatchError
 from ..options import DEFAULT_BLOCK_BYTES
 from . import values as values_codec
 from .checksums import n_blocks  # noqa: F401 - re-exported (its former home)
@@ -123,6 +123,31 @@ class Metadata:
 
     def keys(self) -> list[str]:
         return sorted(set(self.tensors) | set(self.values) | set(self.per_rank_values))
+
+    def renamed(self, key_map: Callable[[str], str | None]) -> "Metadata":
+        """A copy with every tensor and value key renamed through ``key_map`` (None drops the key).
+
+        MismatchError when ``key_map`` returns something other than a non-empty str or None, or maps two
+        keys to one name. (Entries stored per rank keep their names, as ``hyperdcp.hf.rename_keys`` did.)
+        """
+        seen: set[str] = set()
+
+        def rename(d: dict) -> dict:
+            out: dict = {}
+            for old, v in d.items():
+                new = key_map(old)
+                if new is None:
+                    continue
+                if type(new) is not str or not new:
+                    raise MismatchError(f"key_map returned {new!r} for {old!r}; it must return a non-empty str or None")
+                if new in out or new in seen:
+                    raise MismatchError(f"key_map maps two checkpoint keys to {new!r} (one of them {old!r}); make it "
+                                        "one-to-one")
+                out[new] = v
+                seen.add(new)
+            return out
+
+        return replace(self, tensors=rename(self.tensors), values=rename(self.values))
 
     # -- encoding --------------------------------------------------------------------------
     def to_json(self) -> bytes:
