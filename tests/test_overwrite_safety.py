@@ -16,7 +16,7 @@ import pytest
 
 import hyperdcp
 from hyperdcp.hf import dcp_to_hf, hf_to_dcp
-from hyperdcp.storage.commit import NO_EXCHANGE_ENV
+from hyperdcp.storage.local_commit import NO_EXCHANGE_ENV
 from tests.faults.fuzz_campaign import sign
 
 

@@ -102,7 +102,7 @@ def test_lock_file_removed_and_stale_inode_refused(tmp_path):
     import fcntl
 
     import hyperdcp
-    from hyperdcp.storage.commit import SaveTarget
+    from hyperdcp.storage.local_commit import SaveTarget
 
     ck = str(tmp_path / "ck")
     hyperdcp.save({"w": torch.arange(4.0)}, ck)

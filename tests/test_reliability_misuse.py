@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import hyperdcp
-from hyperdcp.storage.commit import SaveTarget
+from hyperdcp.storage.local_commit import SaveTarget
 from tests.faults.fuzz_campaign import sign
 
 

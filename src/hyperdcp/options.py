@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
-from .format.metadata import DEFAULT_BLOCK_BYTES
+#: bytes per checksum block unless SaveOptions.checksum_block_bytes says otherwise (format/metadata reads it)
+DEFAULT_BLOCK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from ..core.boxes import Box, BoxIndex
 from ..core.shards import LocalShard, ShardedTensor
 from ..errors import MismatchError
 from ..format.metadata import Metadata, TensorMeta
-from ..storage.checksum import block_range
+from ..format.checksums import block_range
 
 
 @dataclass

@@ -1,1 +1,9 @@
-"""Storage: bytes to and from data files, checksums, and the crash-consistent commit."""
+"""Where a checkpoint's files live: the :class:`Storage` interface (:mod:`.base`), :class:`LocalStorage`
+(:mod:`.local`, commit protocol in :mod:`.local_commit`), ``FsspecStorage`` (:mod:`.fsspec`, read-only
+for now), ``MemoryStorage`` (:mod:`.memory`, tests) and :func:`storage_for` (:mod:`.urls`)."""
+
+from .base import FileWriter, SaveFiles, SaveStaging, Storage
+from .local import LocalStorage
+from .urls import storage_for
+
+__all__ = ["FileWriter", "LocalStorage", "SaveFiles", "SaveStaging", "Storage", "storage_for"]

@@ -1,5 +1,9 @@
 """Reading checkpoints from remote storage through fsspec (read side only).
 
+Deprecated location: the URL helpers live in :mod:`hyperdcp.storage.urls`, the byte-range storage in
+:mod:`hyperdcp.storage.fsspec` (:class:`~hyperdcp.storage.fsspec.FsspecStorage`); :class:`RemoteFiles`
+and the commit-record reader stay here until the sources' ChunkReader replaces them.
+
 A checkpoint root may be a URL (``https://host/ckpt/step-100``, ``s3://bucket/ckpt/step-100``, any
 protocol fsspec knows). The commit record and the data files are joined to the root with ``/``; the
 metadata's file names are validated plain names, so every read stays inside the checkpoint.
@@ -22,7 +26,6 @@ no-collectives async saves are recognised on local paths only.
 from __future__ import annotations
 
 import os
-import re
 import threading
 from typing import Any
 
@@ -32,100 +35,14 @@ from ..errors import (
     FormatError,
     IncompleteCheckpointError,
     StorageError,
-    UnsupportedStorageError,
 )
 from ..format.metadata import METADATA_FILE, Metadata
+from .fsspec import MAX_REQUEST_BYTES, _missing, _storage_error, filesystem
 from .reader import DataFiles
+from .urls import LOCAL_PROTOCOLS, is_remote, local_path, local_save_path, url_join
 
-#: protocols read from the local file system (plain paths have none)
-LOCAL_PROTOCOLS = ("file", "local")
 #: a commit record larger than this is refused before it is downloaded (a wrong URL, not a checkpoint)
 MAX_METADATA_BYTES = 2 << 30
-#: the largest single ranged request; bounds the transient memory of one read to this much per thread
-MAX_REQUEST_BYTES = 16 << 20
-
-_PROTOCOL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+)://")
-
-
-def _protocol(path: str) -> str | None:
-    m = _PROTOCOL.match(path)
-    return m.group(1).lower() if m else None
-
-
-def is_remote(path: str | os.PathLike) -> bool:
-    """True for a URL read through fsspec: a protocol other than ``file``/``local``, or a chained URL."""
-    if not isinstance(path, str):
-        path = os.fspath(path)
-        if not isinstance(path, str):
-            return False
-    if "::" in path and _PROTOCOL.match(path.split("::", 1)[1]):  # e.g. "simplecache::s3://bucket/ckpt"
-        return True
-    proto = _protocol(path)
-    return proto is not None and proto not in LOCAL_PROTOCOLS
-
-
-def local_path(path: str | os.PathLike) -> str:
-    """The local file-system path of a plain path or a ``file://``/``local://`` URL (unchanged otherwise)."""
-    path = os.fspath(path)
-    proto = _protocol(path)
-    if proto in LOCAL_PROTOCOLS:
-        rest = path.split("://", 1)[1]
-        if rest.startswith("localhost/"):
-            rest = rest[len("localhost"):]
-        return rest or os.sep
-    return path
-
-
-def url_join(root: str, name: str) -> str:
-    """``root/name`` for a URL root (``name`` is a validated plain file name)."""
-    return f"{root.rstrip('/')}/{name}"
-
-
-def local_save_path(path: str | os.PathLike) -> str:
-    """The local directory a save writes to; a remote URL raises :class:`UnsupportedStorageError`."""
-    path = os.fspath(path)
-    if is_remote(path):
-        raise UnsupportedStorageError(
-            f"cannot save to {path!r}: saving to remote storage is not supported yet; save to a local (or mounted) "
-            "directory and upload it (e.g. with your storage's CLI or fsspec's put(..., recursive=True)); "
-            "hyperdcp.load reads it back from the URL"
-        )
-    return local_path(path)
-
-
-def _storage_error(action: str, url: str, e: BaseException) -> StorageError:
-    return StorageError(
-        f"{action} {url} failed ({type(e).__name__}: {e}); check the URL, the network and the credentials "
-        "(fsspec configuration), then retry"
-    )
-
-
-def _missing(e: FileNotFoundError) -> bool:
-    """Whether fsspec's FileNotFoundError means "no such file" rather than a failure it wraps as one.
-
-    fsspec's HTTP file system turns every failure of a size query (connection refused, 403...) into a
-    FileNotFoundError raised from the original error; only a 404/410 (or no cause) is a missing file.
-    """
-    cause = e.__cause__
-    return cause is None or isinstance(cause, FileNotFoundError) or getattr(cause, "status", None) in (404, 410)
-
-
-def filesystem(url: str) -> tuple[Any, str]:
-    """fsspec's file system for ``url`` and the path on it; clear errors for a missing package or protocol."""
-    try:
-        import fsspec.core
-    except ImportError:
-        raise StorageError(f"cannot read {url!r}: reading from URLs needs fsspec; pip install fsspec") from None
-    try:
-        fs, p = fsspec.core.url_to_fs(url)
-    except ImportError as e:
-        raise StorageError(
-            f"cannot read {url!r}: fsspec needs another package for this protocol ({e}); install it (aiohttp for "
-            "http(s)://, s3fs for s3://, gcsfs for gs://, adlfs for az://)"
-        ) from None
-    except Exception as e:  # noqa: BLE001 - unknown protocol, malformed URL, credentials...
-        raise _storage_error("opening", url, e) from e
-    return fs, p
 
 
 def read_remote_metadata_bytes(url: str) -> bytes:
@@ -313,6 +230,8 @@ def open_files(root: str, metadata: Metadata) -> DataFiles:
 
 
 __all__ = [
+    "LOCAL_PROTOCOLS",
+    "MAX_REQUEST_BYTES",
     "is_remote",
     "local_path",
     "url_join",

@@ -1,0 +1,17 @@
+"""The save flow: :mod:`.stage` (state dict -> StagedState), :mod:`.write` (chunks -> data files through a
+SaveFiles), :mod:`.flow` (the collective persist: plan, write, commit) and :mod:`.no_collectives`
+(each rank alone, rank files, finalize).
+
+Call order: ``staged = stage(state_dict, coord)``, then ``persist(coord, staged, path, opts, cache)`` on
+every rank (or ``persist_alone`` on each rank, then ``finalize``).
+"""
+
+from .flow import SaveResult, build_metadata, persist
+from .stage import StagedState, check_storable, stage
+from .write import WrittenFile, write_assigned, write_data_file
+
+#: the write step the flows call (see :func:`.write.seam`); tests replace it to observe or fail writes
+_write_assigned = write_assigned
+
+__all__ = ["SaveResult", "StagedState", "WrittenFile", "build_metadata", "check_storable", "persist", "stage",
+           "write_assigned", "write_data_file"]

@@ -1,0 +1,82 @@
+"""Checkpoint locations as paths or URLs: which storage serves them, and how names join them.
+
+* :func:`is_remote`: a URL whose protocol is not ``file``/``local`` (read through fsspec);
+* :func:`local_path`: the local path of a plain path or a ``file://``/``local://`` URL;
+* :func:`url_join`: ``root/name`` for a validated plain file name;
+* :func:`local_save_path`: saves go to local paths only for now (remote saves raise
+  :class:`~hyperdcp.errors.UnsupportedStorageError`);
+* :func:`storage_for`: the :class:`~hyperdcp.storage.base.Storage` of a path or URL.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from ..errors import UnsupportedStorageError
+from .base import Storage
+
+#: protocols read from the local file system (plain paths have none)
+LOCAL_PROTOCOLS = ("file", "local")
+_PROTOCOL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+)://")
+
+
+def _protocol(path: str) -> str | None:
+    m = _PROTOCOL.match(path)
+    return m.group(1).lower() if m else None
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    """True for a URL read through fsspec: a protocol other than ``file``/``local``, or a chained URL."""
+    if not isinstance(path, str):
+        path = os.fspath(path)
+        if not isinstance(path, str):
+            return False
+    if "::" in path and _PROTOCOL.match(path.split("::", 1)[1]):  # e.g. "simplecache::s3://bucket/ckpt"
+        return True
+    proto = _protocol(path)
+    return proto is not None and proto not in LOCAL_PROTOCOLS
+
+
+def local_path(path: str | os.PathLike) -> str:
+    """The local file-system path of a plain path or a ``file://``/``local://`` URL (unchanged otherwise)."""
+    path = os.fspath(path)
+    proto = _protocol(path)
+    if proto in LOCAL_PROTOCOLS:
+        rest = path.split("://", 1)[1]
+        if rest.startswith("localhost/"):
+            rest = rest[len("localhost"):]
+        return rest or os.sep
+    return path
+
+
+def url_join(root: str, name: str) -> str:
+    """``root/name`` for a URL root (``name`` is a validated plain file name)."""
+    return f"{root.rstrip('/')}/{name}"
+
+
+def local_save_path(path: str | os.PathLike) -> str:
+    """The local directory a save writes to; a remote URL raises :class:`UnsupportedStorageError`."""
+    path = os.fspath(path)
+    if is_remote(path):
+        raise UnsupportedStorageError(
+            f"cannot save to {path!r}: saving to remote storage is not supported yet; save to a local (or mounted) "
+            "directory and upload it (e.g. with your storage's CLI or fsspec's put(..., recursive=True)); "
+            "hyperdcp.load reads it back from the URL"
+        )
+    return local_path(path)
+
+
+def storage_for(path: str | os.PathLike) -> Storage:
+    """:class:`~.local.LocalStorage` for a plain path or ``file://`` URL, :class:`~.fsspec.FsspecStorage` for a URL."""
+    path = os.fspath(path)
+    if is_remote(path):
+        from .fsspec import FsspecStorage
+
+        return FsspecStorage(path)
+    from .local import LocalStorage
+
+    return LocalStorage(local_path(path))
+
+
+__all__ = ["LOCAL_PROTOCOLS", "is_remote", "local_path", "local_save_path", "storage_for", "url_join"]
