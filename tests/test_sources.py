@@ -255,6 +255,21 @@ def test_a_source_travels_to_other_ranks_as_bytes(make, kind):
     assert np.array_equal(np.frombuffer(bytes(out), np.int64), WEIGHTS["head.bias"])
 
 
+def test_conversions_read_any_source(make, tmp_path):
+    """A hub snapshot converts to hyperdcp; a hyperdcp checkpoint behind a URL converts to HF files."""
+    from hyperdcp.tools.convert import hf_to_hyperdcp, hyperdcp_to_hf
+
+    ck = str(tmp_path / "from-hub")
+    hf_to_hyperdcp(make("hub-snapshot"), ck)
+    state = _zeros()
+    hyperdcp.load(state, ck)
+    _assert_weights(state)
+    out = str(tmp_path / "exported")
+    r = hyperdcp_to_hf(make("http"), out)
+    assert r.files == ["model.safetensors"]
+    _assert_weights(safetensors_numpy.load_file(os.path.join(out, "model.safetensors")))
+
+
 # -- the commands on every kind ----------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["http", "hf-file", "hub-snapshot"])
 def test_inspect_verify_and_diff_commands(make, kind, capsys):
