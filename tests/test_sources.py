@@ -271,7 +271,7 @@ def test_conversions_read_any_source(make, tmp_path):
 
 
 # -- the commands on every kind ----------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["http", "hf-file", "hub-snapshot"])
+@pytest.mark.parametrize("kind", ["http", "hf-dir", "hf-file", "hub-snapshot"])
 def test_inspect_verify_and_diff_commands(make, kind, capsys):
     path, ref = make(kind), make("hyperdcp")
     assert cli_main(["inspect", "--json", path]) == 0
