@@ -11,11 +11,12 @@ from .async_save import AsyncSaveError, PersistProcessDiedError, SaveFuture, Sav
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors
 from .format.metadata import Metadata
-from .loading import LoadResult
+from .results import ConvertResult, LoadResult, VerifyReport
 from .manager import latest_checkpoint, list_checkpoints
 from .options import LoadOptions, SaveOptions
 from .saving import SaveResult
-from .verify import verify_checkpoint
+from .sources import open_source
+from .tools.verify import verify_checkpoint
 
 __all__ = [
     "__version__",
@@ -27,6 +28,7 @@ __all__ = [
     "SaveInProgressError",
     "load",
     "read_metadata",
+    "open_source",
     "latest_checkpoint",
     "list_checkpoints",
     "verify_checkpoint",
@@ -35,5 +37,7 @@ __all__ = [
     "LoadOptions",
     "SaveResult",
     "LoadResult",
+    "VerifyReport",
+    "ConvertResult",
     *_errors,
 ]

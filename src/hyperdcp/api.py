@@ -8,13 +8,13 @@ from typing import Any
 
 from .coordination.base import Coordinator, LocalCoordinator
 from .format.metadata import Metadata
-from .loading import LoadResult
+from .results import LoadResult
 from .loading import load as _load
 from .options import LoadOptions, SaveOptions, resolve
 from .planning.save_plan import PlanCache
 from .saving import SaveResult, persist, stage
-from .storage.commit import load_metadata
-from .storage.remote import is_remote, load_remote_metadata, local_path, local_save_path
+from .sources import open_source
+from .storage.remote import local_save_path
 
 #: plans of recent saves in this process, keyed by the structure of every rank's state dict
 DEFAULT_PLAN_CACHE = PlanCache()
@@ -71,5 +71,18 @@ def load(state_dict: Any, path: str | os.PathLike, *, options: LoadOptions | Non
 
 
 def read_metadata(path: str | os.PathLike) -> Metadata:
-    """The validated metadata of a checkpoint (a path or an fsspec URL); needs no process group."""
-    return load_remote_metadata(os.fspath(path)) if is_remote(path) else load_metadata(local_path(path))
+    """The validated metadata of any source; needs no process group.
+
+    Args:
+        path: a hyperdcp checkpoint (a path or an fsspec URL), a HuggingFace ``.safetensors`` file, model
+            directory or hub cache snapshot.
+
+    Returns:
+        its :class:`Metadata` (tensors, chunks, files, values), the same shape for every kind of source.
+
+    Example::
+
+        meta = hyperdcp.read_metadata("ckpt/step-100")
+        sorted(meta.tensors)
+    """
+    return open_source(path).metadata

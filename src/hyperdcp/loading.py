@@ -13,49 +13,26 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
 
-from . import adapters, hf
+from . import adapters
 from .adapters.state_dict import TENSOR, LoadLeaf, leaves_for_load
-from .async_save.rank_files import has_rank_files
-from .coordination.base import Coordinator, broadcast_checked, run_checked
+from .coordination.base import Coordinator, run_checked
 from .core.boxes import Box
 from .core.shards import LocalShard, ShardedTensor
 from .errors import CorruptionError, MismatchError, StateDictError
 from .exchange import read_once
-from .format.metadata import METADATA_FILE, Metadata
+from .format.metadata import Metadata
 from .options import LoadOptions
-from .path_identity import DIGEST_BYTES, mismatch_with_source, path_digest
 from .planning.load_plan import ChunkRead, Piece, TensorIndex, check_compatible, dst_view, group_reads, pieces_for, src_view
 from .storage.checksum import verify_blocks
-from .storage.commit import read_metadata_bytes
 from .storage.reader import DataFiles
-from .storage.remote import is_remote, local_path, open_files, read_remote_metadata_bytes, url_join
 from .storage.threads import run_all
-
-
-@dataclass
-class LoadResult:
-    """What :func:`hyperdcp.load` returns on every rank (the state dict is updated in place)."""
-
-    path: str
-    missing_keys: list[str] = field(default_factory=list)  # in the state dict, not in the checkpoint
-    unused_keys: list[str] = field(default_factory=list)  # in the checkpoint, not asked for
-    bytes_read: int = 0  # from storage, by this rank
-    seconds: float = 0.0
-    metadata: Metadata | None = None
-
-    def __repr__(self) -> str:
-        return (f"LoadResult(path={self.path!r}, bytes_read={self.bytes_read}, seconds={self.seconds:.3f}, "
-                f"missing_keys={_short(self.missing_keys)}, unused_keys={_short(self.unused_keys)})")
-
-
-def _short(keys: list[str], n: int = 3) -> str:
-    """A key list for a repr: its first few keys and how many there are."""
-    return f"[{', '.join(map(repr, keys[:n]))}{', ...' if len(keys) > n else ''}] ({len(keys)})"
+from .sources.base import rename_keys, share_source
+from .results import LoadResult
 
 
 def fetch_metadata(coord: Coordinator, path: str) -> Metadata:
@@ -76,24 +53,8 @@ def fetch_metadata_checked(coord: Coordinator, path: str) -> tuple[Metadata, Exc
     With several ranks, rank 0's path digest rides on the metadata broadcast (no extra collective); the
     caller raises the error in its next checked step, so it surfaces on every rank.
     """
-    tag = coord.world_size > 1
-
-    def shared(what: str, read) -> tuple[bytes, Exception | None]:
-        raw = broadcast_checked(coord, what, (lambda: path_digest(path) + read()) if tag else read, 0)
-        if not tag:
-            return raw, None
-        return raw[DIGEST_BYTES:], mismatch_with_source(path, raw[:DIGEST_BYTES], coord.rank, "load")
-
-    if is_remote(path):
-        raw, wrong = shared(f"reading the metadata of {path!r}", lambda: read_remote_metadata_bytes(path))
-        return Metadata.from_json(raw, where=url_join(path, METADATA_FILE)), wrong
-    path = local_path(path)  # file:// URLs
-    if not has_rank_files(path) and hf.is_hf_source(path):  # no hyperdcp.json but safetensors files: HuggingFace
-        raw, wrong = shared(f"reading the safetensors headers of {path!r}",
-                            lambda: hf._encode_view(hf.read_hf_metadata(path)))
-        return hf._decode_view(raw), wrong
-    raw, wrong = shared(f"reading the metadata of {path!r}", lambda: read_metadata_bytes(path))
-    return Metadata.from_json(raw, where=os.path.join(os.fspath(path), METADATA_FILE)), wrong
+    source, wrong = share_source(coord, path)
+    return source.metadata, wrong
 
 
 def copy_piece(buf: np.ndarray, read: ChunkRead, meta: Metadata, piece: Piece) -> None:
@@ -348,16 +309,14 @@ def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> L
     if opts.per_rank is not None and opts.per_rank not in ("rank0", "drop") and not callable(opts.per_rank):
         raise TypeError(f"per_rank must be None, 'rank0', 'drop' or fn(key, rank, world_size, saved_ranks), got "
                         f"{opts.per_rank!r}")
-    meta, wrong_path = fetch_metadata_checked(coord, path)  # wrong_path: raised by the planning step, everywhere
-    files = open_files(getattr(meta, "root", "") or path, meta)  # HF sources: the directory of the files; URLs: RemoteFiles
+    source, wrong_path = share_source(coord, path)  # wrong_path: raised by the planning step, everywhere
+    meta, files = source.metadata, source.reader()  # HF sources: the directory of the files; URLs: RemoteFiles
     if opts.key_map is not None:
-        from .hf import rename_keys
-
         meta = rename_keys(meta, opts.key_map)
         if meta.per_rank_values or meta.per_rank_tensors:
             meta = replace(meta, per_rank_values=_renamed(meta.per_rank_values, opts.key_map),
                            per_rank_tensors=_renamed(meta.per_rank_tensors, opts.key_map))
-    if not getattr(meta, "has_checksums", True):  # HF safetensors files carry no hyperdcp checksums
+    if not source.verifiable:  # HF safetensors files carry no hyperdcp checksums
         opts = replace(opts, verify_checksums=False)
     try:
         def plan():

@@ -54,25 +54,25 @@ def _top_prefixes(names) -> list[str]:
 
 
 def run(args) -> int:
-    from .. import hf
-    from ._text import safe
+    from ..tools.convert import dcp_to_hf, hf_to_dcp
+    from ._text import parse_dtype, parse_size, safe
 
     direction = {old: new for new, old in DIRECTIONS.items()}.get(args.direction, args.direction)
     threads = max(1, args.threads)
     hint = ""
     if direction == "hf-to-hyperdcp":
-        r = hf.hf_to_dcp(args.src, args.dst, overwrite=args.overwrite, threads=threads, quiet=args.quiet)
+        r = hf_to_dcp(args.src, args.dst, overwrite=args.overwrite, threads=threads, quiet=args.quiet)
     else:
         try:
-            size = hf.parse_size(args.max_shard_size)
+            size = parse_size(args.max_shard_size)
             if args.dtype:
-                hf.parse_dtype(args.dtype)
+                parse_dtype(args.dtype)
         except ValueError as e:
             print(f"hyperdcp convert: error: {e}", file=sys.stderr)
             return 2
-        r = hf.dcp_to_hf(args.src, args.dst, max_shard_size=size, dtype=args.dtype, values_file=args.values_file,
-                         overwrite=args.overwrite, threads=threads, quiet=args.quiet, include=args.include,
-                         exclude=args.exclude, strip_prefix=args.strip_prefix)
+        r = dcp_to_hf(args.src, args.dst, max_shard_size=size, dtype=args.dtype, values_file=args.values_file,
+                      overwrite=args.overwrite, threads=threads, quiet=args.quiet, include=args.include,
+                      exclude=args.exclude, strip_prefix=args.strip_prefix)
         if r.skipped_values:
             shown = ", ".join(safe(v) for v in r.skipped_values[:10]) + (" ..." if len(r.skipped_values) > 10 else "")
             print(f"skipped {len(r.skipped_values)} non-tensor value(s) (pass --values-file to keep them): {shown}",

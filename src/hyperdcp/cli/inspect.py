@@ -1,10 +1,14 @@
-"""``hyperdcp inspect PATH``: what a checkpoint (hyperdcp or HuggingFace safetensors) holds."""
+"""``hyperdcp inspect PATH``: what a checkpoint (hyperdcp, HuggingFace safetensors, a URL) holds.
+
+The report itself is :func:`hyperdcp.tools.inspect.describe`; this module parses and prints.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+
+from ..tools.inspect import describe  # noqa: F401 - the old import path of describe
 
 
 def register(subparsers) -> None:
@@ -13,44 +17,9 @@ def register(subparsers) -> None:
         description="Print one row per tensor (dtype, global shape, chunks, bytes, files), totals, the saving "
         "world size and the format version. Reads only metadata and headers.",
     )
-    p.add_argument("path", metavar="PATH", help="hyperdcp checkpoint, HF model directory or .safetensors file")
+    p.add_argument("path", metavar="PATH", help="hyperdcp checkpoint (path or URL), HF model directory, hub snapshot or .safetensors file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
-
-
-def describe(path: str) -> dict[str, Any]:
-    """The inspect report as a JSON-serialisable dict."""
-    from ..hf import HFMetadata, open_metadata
-
-    meta = open_metadata(path)
-    is_hf = isinstance(meta, HFMetadata)
-    tensors = []
-    for name in sorted(meta.tensors):
-        t = meta.tensors[name]
-        fids = sorted(set(int(f) for f in t.chunks.file.tolist()))
-        tensors.append({"name": name, "dtype": t.dtype, "shape": list(t.shape), "chunks": len(t.chunks),
-                        "bytes": t.nbytes, "files": [meta.files[i].name for i in fids]})
-    return {
-        "path": path,
-        "kind": "huggingface-safetensors" if is_hf else "hyperdcp",
-        "format_version": None if is_hf else meta.format_version,
-        "library_version": None if is_hf else meta.library_version,
-        "world_size": None if is_hf else meta.world_size,
-        "created_unix": None if is_hf else meta.created_unix,
-        "tensors": tensors,
-        "values": sorted(meta.values),
-        "totals": {"tensors": len(meta.tensors), "values": len(meta.values), "chunks": meta.num_chunks,
-                   "tensor_bytes": meta.tensor_bytes, "files": len(meta.files), "file_bytes": meta.data_file_bytes},
-        "user": meta.user,
-    }
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _files_cell(files: list[str]) -> str:
@@ -58,6 +27,7 @@ def _files_cell(files: list[str]) -> str:
 
 
 def run(args) -> int:
+    from ._text import human_size as _human
     from ._text import safe
 
     rep = describe(args.path)

@@ -12,14 +12,15 @@ def register(subparsers) -> None:
         description="Read every stored byte of the checkpoint at PATH and check it against its checksums. "
         "Lists damaged files and chunks, prints the throughput, exits 1 on any problem.",
     )
-    p.add_argument("path", metavar="PATH", help="checkpoint directory")
+    p.add_argument("path", metavar="PATH", help="checkpoint directory or URL, HF model directory, hub snapshot or "
+                   ".safetensors file")
     p.add_argument("--threads", type=int, default=min(16, (os.cpu_count() or 2) * 2), help="reader threads")
     p.add_argument("--max-report", type=int, default=50, help="list at most this many bad chunks")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from ..verify import verify_checkpoint
+    from ..tools.verify import verify_checkpoint
 
     from ._text import safe
 
@@ -30,6 +31,9 @@ def run(args) -> int:
         print(f"BAD CHUNK {safe(b)}")
     if len(rep.bad_chunks) > args.max_report:
         print(f"... and {len(rep.bad_chunks) - args.max_report} more bad chunks")
+    if not rep.checksums:
+        print(f"NO CHECKSUMS: {safe(rep.path)} is a {rep.kind} source, which carries no block checksums: its files' "
+              "presence, sizes and headers were checked, not their bytes")
     print(
         f"{'OK' if rep.ok else 'FAILED'}: {safe(rep.path)}: {rep.files} files, {rep.chunks} chunks, "
         f"{rep.bytes_checked / 1e9:.3f} GB checked in {rep.seconds:.3f} s ({rep.gb_per_s:.2f} GB/s, "

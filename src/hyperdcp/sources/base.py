@@ -1,0 +1,325 @@
+"""What a load, inspect, verify, diff or convert reads from: :class:`Source`, :class:`ChunkReader`,
+:func:`open_source`.
+
+A source is one readable checkpoint of some kind (``"hyperdcp"``, ``"huggingface"``), described by one
+:class:`~hyperdcp.format.metadata.Metadata` whatever its kind. Call order::
+
+    src = open_source(path)          # rank 0 (or a tool): probes the kinds in order, parses the metadata
+    raw = src.to_bytes()             # rank 0 -> every rank (share_source does both, errors everywhere)
+    src = source_from_bytes(raw)     # every other rank
+    files = src.reader()             # per load: checks each data file once, then ranged reads
+    files.read_into(fidx, offset, out, what) ... files.close()
+
+:class:`ChunkReader` reads local data files: opened once per load, never through a symlink (a
+HuggingFace hub snapshot's links into its own ``blobs/`` are resolved by the source beforehand and
+passed as ``links``), checked against the size the metadata records and, for verifiable sources,
+against their safetensors header. Every read is counted (``bytes_read``) so benchmarks can report read
+amplification.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+from abc import ABC, abstractmethod
+from dataclasses import replace
+from typing import Callable, ClassVar
+
+from ..errors import CheckpointError, CorruptionError, MismatchError, StorageError
+from ..format.metadata import Metadata
+from ..storage.commit import read_metadata_bytes
+from ..storage.data_file import chunk_name, read_header
+from ..storage.safe_open import open_dir, open_regular
+
+
+class ChunkReader:
+    """Ranged reads of the data files of one source under ``root`` (a local directory).
+
+    ``check_headers``: compare each file's safetensors header with the metadata (hyperdcp-written files;
+    foreign sources have headers of their own). ``links``: file index -> an already validated absolute
+    path to open instead of ``root/name`` (HuggingFace hub snapshots).
+    """
+
+    def __init__(self, root: str, metadata: Metadata, *, check_headers: bool = True,
+                 links: dict[int, str] | None = None):
+        self.root = os.fspath(root)
+        self.meta = metadata
+        self.check_headers = check_headers
+        self.links = links or {}
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.reads = 0
+        self._by_file: dict[int, dict[str, tuple]] | None = None
+        self._dir_fd: int | None = None
+
+    def path(self, fidx: int) -> str:
+        """The path of data file ``fidx`` (for messages)."""
+        return os.path.join(self.root, self.meta.files[fidx].name)
+
+    def _dir(self) -> int:
+        """The checkpoint directory, opened once per load: every data file is opened relative to it."""
+        if self._dir_fd is None:
+            self._dir_fd = open_dir(self.root)
+        return self._dir_fd
+
+    def fd(self, fidx: int) -> int:
+        """Open and check data file ``fidx`` once (size, header); its descriptor."""
+        with self._lock:
+            fd = self._fds.get(fidx)
+            if fd is not None:
+                return fd
+            path = self.path(fidx)
+            name = self.meta.files[fidx].name
+            try:
+                # no-follow, non-blocking (a FIFO planted under a data file's name cannot hang the open),
+                # regular files only
+                if fidx in self.links:
+                    fd, size = open_regular(self.links[fidx], "data file", missing=FileNotFoundError)
+                else:
+                    fd, size = open_regular(path, "data file", dir_fd=self._dir(), name=name, missing=FileNotFoundError)
+            except FileNotFoundError:
+                raise self._missing(path) from None
+            want = self.meta.files[fidx].nbytes
+            if size != want:
+                os.close(fd)
+                raise CorruptionError(
+                    f"data file {path} has {size} bytes but the metadata records {want} (truncated or replaced)"
+                )
+            try:
+                if self.check_headers:  # hyperdcp-written files (not foreign sources)
+                    self._check_header(fidx, fd, path)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fds[fidx] = fd
+            return fd
+
+    def _missing(self, path: str) -> Exception:
+        """A data file the metadata lists is gone: a concurrent overwrite, or real damage.
+
+        Data file names are unique per save, so when the checkpoint at ``root`` now lists other files the
+        load raced a save that replaced it; the load never mixes the two versions.
+        """
+        try:
+            now = [f["name"] for f in json.loads(read_metadata_bytes(self.root).decode("utf-8")).get("files", [])]
+        except Exception:  # noqa: BLE001 - only decides which message to give
+            now = None
+        if now is not None and now != [f.name for f in self.meta.files]:
+            return StorageError(
+                f"data file {path} is gone: the checkpoint at {self.root!r} was replaced by another save while this "
+                "load was reading it (it now lists other data files); nothing was mixed -- load it again"
+            )
+        return CorruptionError(f"data file {path} is missing; the checkpoint is damaged")
+
+    def _check_header(self, fidx: int, fd: int, path: str) -> None:
+        """The file's safetensors header must describe exactly the chunks the metadata puts in it.
+
+        The header is not covered by the chunk checksums, so this is what turns a damaged header into
+        an error naming the file instead of a checkpoint that no longer opens with other tools.
+        """
+        file_meta: dict = {}
+        entries, _ = read_header(fd, self.meta.files[fidx].nbytes, f"data file {path}", file_meta)
+        if file_meta.get("format") != "hyperdcp":
+            raise CorruptionError(
+                f"data file {path}: its header's __metadata__ is {file_meta!r}, not {{'format': 'hyperdcp'}}; the "
+                "file is corrupted or was replaced; restore it or load another checkpoint"
+            )
+        if self._by_file is None:
+            by_file: dict[int, dict[str, tuple]] = {}
+            for fqn, t in self.meta.tensors.items():
+                c = t.chunks
+                for i in range(len(c)):
+                    box = c.box(i)
+                    name = chunk_name(fqn, box.offsets, box.lengths == tuple(t.shape))
+                    by_file.setdefault(int(c.file[i]), {})[name] = (t.dtype, box.lengths, int(c.begin[i]), int(c.end[i]))
+            self._by_file = by_file
+        want = self._by_file.get(fidx, {})
+        if entries != want:
+            bad = sorted(k for k in set(entries) | set(want) if entries.get(k) != want.get(k))
+            raise CorruptionError(
+                f"data file {path}: its safetensors header does not match the metadata (entry {bad[0]!r} "
+                f"differs{'' if len(bad) == 1 else f', and {len(bad) - 1} more'}); the file is corrupted or was "
+                "replaced; restore it or load another checkpoint"
+            )
+
+    def read_into(self, fidx: int, offset: int, out, what: str = "") -> None:
+        """Fill ``out`` (a writable bytes-like) from ``offset``; a short read is corruption."""
+        mv = memoryview(out).cast("B")
+        fd = self.fd(fidx)
+        done = 0
+        while done < len(mv):
+            try:
+                n = os.preadv(fd, [mv[done:]], offset + done)
+            except OSError as e:
+                raise StorageError(f"reading data file {self.path(fidx)} failed: {e.strerror or e} (errno {e.errno}) "
+                                   f"while reading {what}; check the storage device and retry") from None
+            if n <= 0:
+                raise CorruptionError(f"{self.path(fidx)}: unexpected end of file while reading {what}")
+            done += n
+        with self._lock:
+            self.bytes_read += done
+            self.reads += 1
+
+    def close(self) -> None:
+        """Close every file this reader opened."""
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            if self._dir_fd is not None:
+                os.close(self._dir_fd)
+                self._dir_fd = None
+
+
+def rename_keys(meta: Metadata, key_map: Callable[[str], str | None]) -> Metadata:
+    """A copy of ``meta`` with every key renamed through ``key_map`` (None drops the key)."""
+    def renamed(d: dict) -> dict:
+        out: dict = {}
+        for old, v in d.items():
+            new = key_map(old)
+            if new is None:
+                continue
+            if type(new) is not str or not new:
+                raise MismatchError(f"key_map returned {new!r} for {old!r}; it must return a non-empty str or None")
+            if new in out or new in seen:
+                raise MismatchError(f"key_map maps two checkpoint keys to {new!r} (one of them {old!r}); make it one-to-one")
+            out[new] = v
+            seen.add(new)
+        return out
+
+    seen: set[str] = set()
+    return replace(meta, tensors=renamed(meta.tensors), values=renamed(meta.values))
+
+
+#: the old name of :class:`ChunkReader`
+DataFiles = ChunkReader
+
+
+class Source(ABC):
+    """A readable checkpoint of some kind. Rank 0 opens it; :meth:`to_bytes` travels to the others.
+
+    Call order: ``probe(path)`` (None: this kind reads it) -> ``open(path)`` -> ``metadata`` and
+    ``reader()`` on the opening rank, or ``to_bytes()`` -> :func:`source_from_bytes` on the others.
+    """
+
+    #: "hyperdcp" | "huggingface"
+    kind: ClassVar[str]
+    #: where the data files live: a local directory or a URL
+    root: str
+    #: tensors, chunks, files and values, one shape for every kind
+    metadata: Metadata
+    #: hyperdcp block checksums are present (loads verify them, verify_checkpoint checks them)
+    verifiable: bool
+
+    @classmethod
+    @abstractmethod
+    def probe(cls, path: str) -> str | None:
+        """None when this kind reads ``path``, else why not (one short clause for the error message)."""
+
+    @classmethod
+    @abstractmethod
+    def open(cls, path: str) -> "Source":
+        """Read and validate the source's metadata at ``path``; clear errors naming the path."""
+
+    @abstractmethod
+    def payload(self) -> bytes:
+        """What another rank needs to rebuild this source (see :meth:`from_payload`)."""
+
+    @classmethod
+    @abstractmethod
+    def from_payload(cls, raw: bytes) -> "Source":
+        """The source :meth:`payload` describes, validated again on this rank."""
+
+    def reader(self) -> ChunkReader:
+        """A reader of this source's data files (remote URLs read through fsspec)."""
+        from ..storage.remote import is_remote, open_files
+
+        if is_remote(self.root):
+            return open_files(self.root, self.metadata)
+        return ChunkReader(self.root, self.metadata, check_headers=self.verifiable)
+
+    def to_bytes(self) -> bytes:
+        """``kind NUL payload``: what rank 0 sends to every rank (:func:`source_from_bytes`)."""
+        return self.kind.encode() + b"\0" + self.payload()
+
+
+def kinds() -> list[type[Source]]:
+    """The source kinds :func:`open_source` probes, in order."""
+    from .huggingface import HuggingFaceSource
+    from .hyperdcp import HyperdcpSource
+
+    return [HyperdcpSource, HuggingFaceSource]
+
+
+def source_from_bytes(raw: bytes) -> Source:
+    """The source that :meth:`Source.to_bytes` encoded (on a rank other than the one that opened it)."""
+    kind, sep, payload = bytes(raw).partition(b"\0")
+    for cls in kinds():
+        if sep and cls.kind.encode() == kind:
+            return cls.from_payload(payload)
+    raise CorruptionError(f"received a source description of unknown kind {kind[:40]!r} from rank 0; every rank "
+                          "must run the same hyperdcp version")
+
+
+def open_source(path, *, kind: str = "auto") -> Source:
+    """Open the checkpoint at ``path`` (a directory, a ``.safetensors`` file or an fsspec URL).
+
+    ``kind="auto"`` probes the kinds in order (hyperdcp, then HuggingFace); when none matches, the
+    hyperdcp kind's own error (not found, incomplete save, torch DCP, ...) is raised with every other
+    kind's reason appended. ``kind="hyperdcp"`` or ``"huggingface"`` opens that kind only.
+
+    Example::
+
+        src = hyperdcp.open_source("ckpt/step-100")
+        src.kind, sorted(src.metadata.tensors)
+    """
+    path = os.fspath(path)
+    table = kinds()
+    names = [c.kind for c in table]
+    if kind != "auto":
+        if kind not in names:
+            raise ValueError(f"unknown source kind {kind!r}; use 'auto' or one of {names}")
+        return table[names.index(kind)].open(path)
+    reasons = []
+    for cls in table:
+        why = cls.probe(path)
+        if why is None:
+            return cls.open(path)
+        reasons.append((cls, why))
+    first = table[0]  # its errors say most: missing path, interrupted save, torch DCP, recovery of an overwrite
+    try:
+        return first.open(path)
+    except CheckpointError as e:
+        rest = "; ".join(f"not {cls.kind}: {why}" for cls, why in reasons if cls is not first)
+        if not rest:
+            raise
+        e.args = (f"{e} (other kinds tried: {rest})", *e.args[1:])
+        raise e from None
+
+
+def share_source(coord, path: str) -> tuple[Source, Exception | None]:
+    """Rank 0 opens the source at ``path`` and sends it to every rank; errors raise on every rank.
+
+    With several ranks, rank 0's path digest rides on the same broadcast: the second value is this
+    rank's error if it named another path than rank 0 (None if not), for the caller to raise in its
+    next checked step so that it surfaces everywhere.
+    """
+    from ..coordination.base import broadcast_checked
+    from ..path_identity import DIGEST_BYTES, mismatch_with_source, path_digest
+
+    tag = coord.world_size > 1
+    opened: list[Source] = []
+
+    def read() -> bytes:
+        opened.append(open_source(path))
+        raw = opened[0].to_bytes()
+        return path_digest(path) + raw if tag else raw
+
+    raw = broadcast_checked(coord, f"reading the metadata of {path!r}", read, 0)
+    wrong = None
+    if tag:
+        raw, wrong = raw[DIGEST_BYTES:], mismatch_with_source(path, raw[:DIGEST_BYTES], coord.rank, "load")
+    return (opened[0] if opened else source_from_bytes(raw)), wrong

@@ -1,0 +1,1 @@
+"""Offline operations on sources (verify, inspect, diff, convert); no process group needed."""
