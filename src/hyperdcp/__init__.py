@@ -7,24 +7,24 @@
 
 from ._version import __version__
 from .api import load, read_metadata, save
-from .async_save import AsyncSaveError, PersistProcessDiedError, SaveFuture, SaveInProgressError, async_save
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors
 from .format.metadata import Metadata
 from .loading import LoadResult
 from .manager import latest_checkpoint, list_checkpoints
-from .options import LoadOptions, SaveOptions
+from .options import AsyncSaveOptions, LoadOptions, SaveOptions
 from .saving import SaveResult
 from .verify import verify_checkpoint
+
+# last: the function ``hyperdcp.async_save`` (the package is ``hyperdcp.async_saving``)
+from .async_saving import SaveFuture, async_save, finalize  # noqa: E402
 
 __all__ = [
     "__version__",
     "save",
     "async_save",
+    "finalize",
     "SaveFuture",
-    "AsyncSaveError",
-    "PersistProcessDiedError",
-    "SaveInProgressError",
     "load",
     "read_metadata",
     "latest_checkpoint",
@@ -33,6 +33,7 @@ __all__ = [
     "Metadata",
     "SaveOptions",
     "LoadOptions",
+    "AsyncSaveOptions",
     "SaveResult",
     "LoadResult",
     *_errors,
