@@ -324,7 +324,7 @@ def _rebuild(reply: dict, rank: int, path: str) -> BaseException:
     from .. import errors as E
 
     cls = None
-    if reply["module"] in (E.__name__, "hyperdcp.async_save.future"):  # the latter: a child of an older version
+    if reply["module"] == E.__name__:
         cls = getattr(E, reply["type"], None)
     exc: BaseException | None = None
     if cls is RemoteRankError:
