@@ -16,8 +16,10 @@ from .options import AsyncSaveOptions, LoadOptions, SaveOptions
 from .saving import SaveResult
 from .verify import verify_checkpoint
 
-# last: the function ``hyperdcp.async_save`` (the package is ``hyperdcp.async_saving``)
-from .async_saving import SaveFuture, async_save, finalize  # noqa: E402
+# isort: split
+# last, so that no later import of a submodule rebinds the name: ``hyperdcp.async_save`` is the function
+# (the package is ``hyperdcp.async_saving``)
+from .async_saving import SaveFuture, async_save, finalize
 
 __all__ = [
     "__version__",

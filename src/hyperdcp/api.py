@@ -22,7 +22,6 @@ from .storage.commit import load_metadata
 from .storage.remote import is_remote, load_remote_metadata, local_path, local_save_path
 
 
-
 def plan_cache() -> PlanCache:
     """The plans of recent saves in this process, keyed by the structure of every rank's state dict
     (the ``planning.plan_cache`` slot of :mod:`hyperdcp._runtime`, shared with async saves)."""

@@ -16,11 +16,17 @@ from typing import Any
 
 from ..async_save.rank_files import finalize
 from ..coordination.base import Coordinator
-from ..errors import (AsyncSaveError, AsyncSaveTimeoutError, PersistProcessDiedError, PersistProcessStuckError,
-                      SaveInProgressError)
+from ..errors import (
+    AsyncSaveError,
+    AsyncSaveTimeoutError,
+    PersistProcessDiedError,
+    PersistProcessStuckError,
+    SaveInProgressError,
+)
+from ..options import ASYNC_MODES as MODES
 from ..options import AsyncSaveOptions, SaveOptions, resolve
 from .future import SaveFuture
-from .session import DEFAULT_MODE, MODES, open_session, shutdown
+from .session import DEFAULT_MODE, open_session, shutdown
 
 
 def async_save(state_dict: Any, path: str | os.PathLike, *, options: SaveOptions | None = None,

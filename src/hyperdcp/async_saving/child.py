@@ -273,12 +273,12 @@ def _save(msg: dict) -> dict:
     plan (LocalPlan bytes), shm_path, shm_bytes, offsets, sizes (int64 bytes), values (encoded), cache
     (entries to seed), plus per mode: host/port/rdzv_prefix/timeout (gloo), exchange_dir (file),
     mine/save_id (none); fault (tests only)."""
+    from ..async_save.file_coordination import FileCoordinator
+    from ..async_save.rank_files import persist_alone
     from ..coordination.base import LocalCoordinator
     from ..options import SaveOptions
     from ..planning.save_plan import GlobalPlan, PlanCache
     from ..saving import persist
-    from ..async_save.file_coordination import FileCoordinator
-    from ..async_save.rank_files import persist_alone
 
     if _state().cache is None:
         _state().cache = PlanCache()
@@ -329,7 +329,7 @@ def _save(msg: dict) -> dict:
     finally:
         restore = _pop_restore()
         if restore is not None:
-            setattr(restore[0], "_write_assigned", restore[1])
+            restore[0]._write_assigned = restore[1]
     back = []
     for key, val in cache.items():
         if key not in known:
@@ -340,7 +340,8 @@ def _save(msg: dict) -> dict:
                 back.append((key, "assign", np.ascontiguousarray(val, np.int64).tobytes()))
     return {
         "result": {"path": res.path, "rank": res.rank, "world_size": res.world_size, "bytes_written": res.bytes_written,
-                   "files_written": list(res.files_written), "plan_cache_hit": res.plan_cache_hit, "seconds": res.seconds},
+                   "files_written": list(res.files_written), "plan_cache_hit": res.plan_cache_hit,
+                   "seconds": res.seconds},
         "cache": back,
     }
 

@@ -7,8 +7,13 @@ import threading
 import time
 from typing import Callable
 
-from ..errors import (AsyncSaveError, AsyncSaveTimeoutError, PersistProcessDiedError,  # noqa: F401 - re-exported
-                      PersistProcessStuckError, SaveInProgressError)
+from ..errors import (  # noqa: F401 - re-exported
+    AsyncSaveError,
+    AsyncSaveTimeoutError,
+    PersistProcessDiedError,
+    PersistProcessStuckError,
+    SaveInProgressError,
+)
 from ..saving import SaveResult
 
 

@@ -28,16 +28,20 @@ import secrets
 import sys
 import threading
 import time
-from typing import Any
-
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from .. import _runtime
 from ..async_save.file_coordination import write_abort
 from ..coordination.base import Coordinator, broadcast_checked
-from ..errors import (AsyncSaveError, CheckpointError, PersistProcessDiedError, PersistProcessStuckError,
-                      RemoteRankError, SaveInProgressError)
-from ..options import ASYNC_MODES as MODES
+from ..errors import (
+    AsyncSaveError,
+    CheckpointError,
+    PersistProcessDiedError,
+    PersistProcessStuckError,
+    RemoteRankError,
+    SaveInProgressError,
+)
 from ..options import SaveOptions
 from ..saving import SaveResult
 from .future import RemoteTraceback, SaveFuture
@@ -99,7 +103,8 @@ class _Session:
         if self.world_size == 1:
             doc = json.loads(make())
         else:
-            doc = json.loads(broadcast_checked(self.coord, "starting async-save persist processes", make if self.rank == 0 else None, 0))
+            doc = json.loads(broadcast_checked(self.coord, "starting async-save persist processes",
+                                              make if self.rank == 0 else None, 0))
         return doc["token"], doc["host"], int(doc["port"])
 
     # ----------------------------------------------------------------------------------------
@@ -208,7 +213,8 @@ class _Session:
             f"rank {self.rank}: {why} while saving {fut.path!r}; it was killed and that checkpoint is not committed "
             "(a previous checkpoint at that path is intact); check the storage of that path (a hung network file "
             "system?) -- the next async_save starts a new persist process"))
-        print(f"hyperdcp: rank {self.rank}: {why}; killed it, the save to {fut.path!r} is not committed", file=sys.stderr)
+        print(f"hyperdcp: rank {self.rank}: {why}; killed it, the save to {fut.path!r} is not committed",
+              file=sys.stderr)
         if self.worker is worker:
             self.restart = True
         threading.Thread(target=worker.kill, daemon=True).start()  # a 'D' process dies only once its I/O returns

@@ -84,7 +84,8 @@ class ShmArea:
         except (OSError, ValueError) as e:
             if self.owner:
                 self.unlink()
-            raise StorageError(f"cannot map the async-save staging area {self.path!r} ({self.nbytes} bytes): {e}") from e
+            raise StorageError(f"cannot map the async-save staging area {self.path!r} ({self.nbytes} bytes): "
+                               f"{e}") from e
         finally:
             os.close(fd)
         self.array = np.frombuffer(self.mm, dtype=np.uint8)
@@ -200,7 +201,8 @@ class Stager:
 
     def describe(self, state_dict: Any, ctx) -> tuple[list[ShardedTensor], dict[int, Any], dict[str, Any]]:
         if not isinstance(state_dict, dict) and not hasattr(state_dict, "state_dict"):
-            raise StateDictError(f"the state dict must be a dict (or an object with state_dict()), got {type(state_dict).__name__}")
+            raise StateDictError("the state dict must be a dict (or an object with state_dict()), got "
+                                 f"{type(state_dict).__name__}")
         tensors, sources, vals = [], {}, {}
         fw = self._framework()
         for fqn, kind, v in iter_leaves(state_dict):
@@ -230,7 +232,8 @@ class Stager:
         self.release()  # never two areas at once: staging memory stays bounded by one copy
         sizes = np.array([sh.data.size for _, sh in chunks], dtype=np.int64)
         padded = (sizes + ALIGN - 1) // ALIGN * ALIGN
-        offsets = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64) if len(sizes) else np.zeros(0, np.int64)
+        offsets = (np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64) if len(sizes)
+                   else np.zeros(0, np.int64))
         total = int(padded.sum())
         self.area = ShmArea(total)
         if self._fw is not None:

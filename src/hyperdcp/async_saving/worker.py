@@ -153,7 +153,8 @@ class PersistWorker:
             return f"was killed by signal {name}"
         return f"exited with code {code}"
 
-    def submit(self, msg: dict, on_reply: Callable[[dict | None, BaseException | None], None] | None = None) -> "_Pending":
+    def submit(self, msg: dict,
+               on_reply: Callable[[dict | None, BaseException | None], None] | None = None) -> _Pending:
         """Send one command; its reply is delivered by this worker's reader thread (``on_reply`` runs there).
 
         The calling thread only pickles and sends: no other thread is woken (waking one costs the caller

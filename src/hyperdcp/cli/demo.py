@@ -12,12 +12,11 @@ different seed, loads, checks every tensor bit-exact against phase 1, and trains
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import tempfile
 import time
 import traceback
-
-import multiprocessing as mp
 
 
 def _model(dim: int = 64, layers: int = 2, vocab: int = 256):
@@ -40,7 +39,8 @@ def _model(dim: int = 64, layers: int = 2, vocab: int = 256):
             self.norm1 = torch.nn.LayerNorm(dim)
             self.attn = Attention()
             self.norm2 = torch.nn.LayerNorm(dim)
-            self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
+                                           torch.nn.Linear(4 * dim, dim))
 
         def forward(self, x):
             x = x + self.attn(self.norm1(x))
@@ -123,8 +123,9 @@ def _phase_save(rank, world, path, steps, q):
     res = hyperdcp.save({"model": msd, "optim": osd, "step": steps}, path)
     save_s = time.perf_counter() - t
     ref = _full(model, opt)
+    host_ref = {k: v.numpy() if hasattr(v, "numpy") else v for k, v in ref.items()} if rank == 0 else None
     q.put(("save", rank, {"loss": loss, "train_s": train_s, "save_s": save_s, "written": res.bytes_written,
-                          "ref": {k: v.numpy() if hasattr(v, "numpy") else v for k, v in ref.items()} if rank == 0 else None}))
+                          "ref": host_ref}))
 
 
 def _phase_load(rank, world, path, steps, ref, q):
@@ -153,10 +154,10 @@ def _phase_load(rank, world, path, steps, ref, q):
 
 
 def _worker(fn, rank, world, store, args):
+    import warnings
+
     import torch
     import torch.distributed as dist
-
-    import warnings
 
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     q = args[-1]
@@ -195,7 +196,8 @@ def _run(fn, world: int, args: tuple, timeout: float) -> list:
     return out
 
 
-def run(save_world: int = 4, load_world: int = 3, steps: int = 5, directory: str | None = None, timeout: float = 300) -> bool:
+def run(save_world: int = 4, load_world: int = 3, steps: int = 5, directory: str | None = None,
+        timeout: float = 300) -> bool:
     import hyperdcp
 
     root = directory or tempfile.mkdtemp(prefix="hyperdcp-demo-")
@@ -226,7 +228,8 @@ def run(save_world: int = 4, load_world: int = 3, steps: int = 5, directory: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hyperdcp demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="hyperdcp demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     return run_from_args(ap.parse_args(argv))
 
