@@ -15,6 +15,7 @@ import importlib
 import sys
 from typing import Any
 
+from .. import _runtime
 from ..core.shards import ShardedTensor
 from ..errors import StateDictError
 from . import numpy as _numpy
@@ -66,20 +67,25 @@ class _NumpyAdapter:
         return None
 
 
-#: adapters in the order they are asked; numpy first (always loaded), then the frameworks
-_REGISTRY: list[Adapter] = [_NumpyAdapter(), _ModuleAdapter("torch", ".torch", ".torch_staging")]
+def _builtin() -> list[Adapter]:
+    """The adapters in the order they are asked: numpy first (always loaded), then the frameworks."""
+    return [_NumpyAdapter(), _ModuleAdapter("torch", ".torch", ".torch_staging")]
+
+
+def _registry() -> list[Adapter]:
+    return _runtime.slot("adapters.registry", _builtin)
 
 
 def register(adapter: Adapter) -> None:
     """Add an adapter (e.g. for jax or mindspore); it is asked after the built-in ones."""
     if not isinstance(adapter, Adapter):
         raise TypeError(f"{adapter!r} does not implement hyperdcp.adapters.base.Adapter")
-    _REGISTRY.append(adapter)
+    _registry().append(adapter)
 
 
 def loaded() -> list[Adapter]:
     """The adapters whose framework module is loaded in this process, in registry order."""
-    return [a for a in _REGISTRY if sys.modules.get(a.module) is not None]
+    return [a for a in _registry() if sys.modules.get(a.module) is not None]
 
 
 def _owner(value: Any) -> Adapter | None:
@@ -99,7 +105,7 @@ def to_sharded(fqn: str, value: Any, ctx, for_load: bool) -> ShardedTensor:
     a = _owner(value)
     if a is None:
         raise StateDictError(f"{fqn!r}: a {type(value).__name__} is not a tensor of any loaded framework (numpy, "
-                             f"{', '.join(x.module for x in _REGISTRY[1:])}); pass a tensor or a plain value")
+                             f"{', '.join(x.module for x in _registry()[1:])}); pass a tensor or a plain value")
     return a.to_sharded(fqn, value, ctx, for_load)
 
 
