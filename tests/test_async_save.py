@@ -77,7 +77,8 @@ def _failures(rank, world, root, mode):
     import time
 
     import hyperdcp
-    from hyperdcp.async_save import PersistProcessDiedError, SaveInProgressError, saver
+    from hyperdcp.async_saving import PersistProcessDiedError, SaveInProgressError
+    from hyperdcp.async_saving import session as saver
 
     state = {"w": torch.arange(12.0).reshape(4, 3) + rank * 0, "step": 1}
     hyperdcp.async_save(state, f"{root}/ok", coordination=mode).result(timeout=60)
@@ -159,7 +160,7 @@ def test_single_process_numpy_and_values(tmp_path):
 def test_warm_staging_detects_changes(tmp_path):
     """The warm path (cached walk, descriptions and destinations) must stage exactly what the full path would."""
     import hyperdcp
-    from hyperdcp.async_save import saver
+    from hyperdcp.async_saving import session as saver
 
     def save_and_load(state, name, like):
         fut = hyperdcp.async_save(state, tmp_path / name)
@@ -221,7 +222,7 @@ def test_staging_files_of_dead_processes_are_removed(tmp_path):
     import subprocess
     import sys
 
-    from hyperdcp.async_save.staging import remove_stale_areas
+    from hyperdcp.async_saving.staging import remove_stale_areas
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
     stale = tmp_path / f"hyperdcp-stage-{dead}-0123456789ab"

@@ -32,7 +32,7 @@ def _missing(rank, world, root, who, mode, how):
     does not call async_save (``how="absent"``) or kills its own persist process right after the call
     (``how="persist-killed"``)."""
     import hyperdcp
-    from hyperdcp.async_save import async_save
+    from hyperdcp.async_saving import async_save
 
     kw = {"coordination": mode, "timeout": T}
     # generous for the first save (persist processes start and rendezvous on busy cores)

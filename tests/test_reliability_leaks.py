@@ -185,7 +185,8 @@ def test_a_training_process_ending_right_after_async_save_leaves_nothing_behind(
 
 
 def test_sigterm_to_a_persist_process_mid_save_removes_its_temporary_directory_and_lock(tmp_path, monkeypatch):
-    from hyperdcp.async_save import PersistProcessDiedError, saver
+    from hyperdcp.async_saving import PersistProcessDiedError
+    from hyperdcp.async_saving import session as saver
 
     hyperdcp.async_save({"w": torch.zeros(4)}, tmp_path / "c").result(timeout=60)  # the previous checkpoint
     monkeypatch.setattr(saver, "TEST_FAULT", {"rank": 0, "kind": "stall", "seconds": 60})  # stalls while writing

@@ -106,7 +106,8 @@ def test_a_full_tmpfs_is_an_error_when_reserving_not_a_sigbus_when_touching():
 # -- item 9: a frozen persist process ------------------------------------------------------------------
 
 def test_a_stopped_persist_process_fails_its_save_and_the_next_async_save_goes_on(tmp_path, monkeypatch):
-    from hyperdcp.async_save import PersistProcessStuckError, saver
+    from hyperdcp.async_saving import PersistProcessStuckError
+    from hyperdcp.async_saving import session as saver
 
     monkeypatch.setenv("HYPERDCP_PERSIST_STALL_SECONDS", "1")
     hyperdcp.async_save({"w": torch.zeros(4)}, tmp_path / "a").result(timeout=60)  # a running persist process
@@ -138,7 +139,7 @@ def test_a_stopped_persist_process_fails_its_save_and_the_next_async_save_goes_o
 def test_exit_with_a_stopped_persist_process_is_bounded_and_names_the_rank(tmp_path):
     script = f"""
         import os, signal, torch, hyperdcp
-        from hyperdcp.async_save import saver
+        from hyperdcp.async_saving import session as saver
         hyperdcp.async_save({{"w": torch.zeros(4)}}, {str(tmp_path / "a")!r}).result(timeout=60)
         saver.TEST_FAULT = {{"rank": 0, "kind": "stall", "seconds": 60}}
         fut = hyperdcp.async_save({{"w": torch.ones(4)}}, {str(tmp_path / "b")!r})

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import hyperdcp
-from hyperdcp.async_save.future import AsyncSaveTimeoutError, SaveFuture
+from hyperdcp.async_saving import AsyncSaveTimeoutError, SaveFuture
 from hyperdcp.cli import main as cli_main
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")

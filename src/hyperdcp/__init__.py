@@ -7,25 +7,27 @@
 
 from ._version import __version__
 from .api import load, read_metadata, save
-from .async_save import AsyncSaveError, PersistProcessDiedError, SaveFuture, SaveInProgressError, async_save
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors
 from .format.metadata import Metadata
 from .results import ConvertResult, LoadResult, VerifyReport
 from .manager import latest_checkpoint, list_checkpoints
-from .options import LoadOptions, SaveOptions
+from .options import AsyncSaveOptions, LoadOptions, SaveOptions
 from .saving import SaveResult
 from .sources import open_source
 from .tools.verify import verify_checkpoint
+
+# isort: split
+# last, so that no later import of a submodule rebinds the name: ``hyperdcp.async_save`` is the function
+# (the package is ``hyperdcp.async_saving``)
+from .async_saving import SaveFuture, async_save, finalize
 
 __all__ = [
     "__version__",
     "save",
     "async_save",
+    "finalize",
     "SaveFuture",
-    "AsyncSaveError",
-    "PersistProcessDiedError",
-    "SaveInProgressError",
     "load",
     "read_metadata",
     "open_source",
@@ -35,6 +37,7 @@ __all__ = [
     "Metadata",
     "SaveOptions",
     "LoadOptions",
+    "AsyncSaveOptions",
     "SaveResult",
     "LoadResult",
     "VerifyReport",

@@ -1,6 +1,15 @@
-"""The exception hierarchy. Every error hyperdcp raises derives from :class:`CheckpointError`.
+"""The exception hierarchy, whole. Every error hyperdcp raises derives from :class:`CheckpointError`.
 
-Messages name the tensor, file or rank involved and say what to do about it.
+Messages name the tensor, file or rank involved and say what to do about it. Some classes also derive
+from the built-in exception of the same meaning, so generic handlers catch them:
+:class:`CheckpointNotFoundError` is a ``FileNotFoundError``, :class:`CheckpointExistsError` a
+``FileExistsError``, :class:`FormatError` and :class:`MismatchError` are ``ValueError`` subclasses, and
+:class:`AsyncSaveTimeoutError` is a ``TimeoutError``.
+
+    try:
+        hyperdcp.load(sd, path)
+    except FileNotFoundError:   # CheckpointNotFoundError: no checkpoint at path
+        ...
 """
 
 from __future__ import annotations
@@ -10,7 +19,7 @@ class CheckpointError(Exception):
     """Root of every error raised by hyperdcp."""
 
 
-class CheckpointNotFoundError(CheckpointError):
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No checkpoint exists at the given path."""
 
 
@@ -18,11 +27,11 @@ class IncompleteCheckpointError(CheckpointError):
     """The directory exists but holds no valid commit record (metadata): the save never finished."""
 
 
-class CheckpointExistsError(CheckpointError):
+class CheckpointExistsError(CheckpointError, FileExistsError):
     """A complete checkpoint already exists where a save was asked to write."""
 
 
-class FormatError(CheckpointError):
+class FormatError(CheckpointError, ValueError):
     """The metadata or a data file violates the format specification (docs/FORMAT.md)."""
 
 
@@ -38,7 +47,7 @@ class StateDictError(CheckpointError):
     """The state dict cannot be saved or loaded as given (bad value type, key clash, missing key...)."""
 
 
-class MismatchError(StateDictError):
+class MismatchError(StateDictError, ValueError):
     """State dict and checkpoint (or ranks among themselves) disagree on keys, shapes, dtypes or boxes."""
 
 
@@ -62,6 +71,30 @@ class RemoteRankError(CoordinationError):
         self.rank_errors = dict(rank_errors or {})
 
 
+class AsyncSaveError(CheckpointError):
+    """An async save failed in its persist process; ``remote_traceback`` holds that process's traceback."""
+
+    remote_traceback: str = ""
+    original_type: str = ""
+
+
+class SaveInProgressError(AsyncSaveError):
+    """An async save is already in flight on this rank and the caller asked not to wait for it."""
+
+
+class PersistProcessDiedError(AsyncSaveError, CoordinationError):
+    """The persist process of this rank died during a save."""
+
+
+class PersistProcessStuckError(PersistProcessDiedError):
+    """The persist process of this rank was stopped or blocked in the kernel without progress (see
+    :meth:`hyperdcp.async_saving.worker.PersistWorker.stuck`); it was killed, the save not committed."""
+
+
+class AsyncSaveTimeoutError(AsyncSaveError, TimeoutError):
+    """``SaveFuture.result(timeout)`` expired; the save itself goes on."""
+
+
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -76,4 +109,9 @@ __all__ = [
     "UnsupportedStorageError",
     "CoordinationError",
     "RemoteRankError",
+    "AsyncSaveError",
+    "SaveInProgressError",
+    "PersistProcessDiedError",
+    "PersistProcessStuckError",
+    "AsyncSaveTimeoutError",
 ]

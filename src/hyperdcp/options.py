@@ -1,7 +1,10 @@
-"""Options for save and load, gathered in one object each (any field can also be passed as a keyword)."""
+"""Options for save, load and async save, gathered in one object each (any field can also be passed as a
+keyword). Defaults that come from the environment are read here, when an options object is made.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
@@ -58,9 +61,43 @@ class LoadOptions:
     #: the saving rank whose copy ``rank`` gets (None: leave it untouched). With the same number of ranks
     #: every rank gets back its own copy (a key its rank did not save is missing), whatever this says
     per_rank: str | Callable[[str, int, int, tuple[int, ...]], int | None] | None = None
+    #: read-once: ranks on the same host share the chunks they read through /dev/shm segments (False: every
+    #: rank receives its own copy); default from ``HYPERDCP_READ_ONCE_SHM`` (``0``/``false``/``no``/``off``: False)
+    shared_memory: bool = field(default_factory=lambda: _env_flag("HYPERDCP_READ_ONCE_SHM", True))
+    #: read-once: what identifies this rank's host (ranks with the same id share /dev/shm); None: derived from
+    #: the host name, boot id and /dev/shm device; default from ``HYPERDCP_HOST``
+    host_id: str | None = field(default_factory=lambda: os.environ.get("HYPERDCP_HOST") or None)
+
+
+ASYNC_MODES = ("gloo", "file", "none")
+
+
+@dataclass(frozen=True)
+class AsyncSaveOptions:
+    """How :func:`hyperdcp.async_save` runs a save (the save itself is described by :class:`SaveOptions`)."""
+
+    #: how the persist processes exchange: ``"gloo"`` (their own CPU gloo group), ``"file"`` (files in a
+    #: shared directory) or ``"none"`` (no cross-rank step; rank files merged at load or by ``finalize``)
+    coordination: str = "gloo"
+    #: a save while another is in flight on this rank waits for it (False: SaveInProgressError)
+    wait: bool = True
+    #: ``"file"`` mode: the shared directory of the exchanges (None: a hidden directory next to the checkpoint)
+    exchange_dir: str | os.PathLike | None = None
+
+    def __post_init__(self) -> None:
+        if self.coordination not in ASYNC_MODES:
+            raise ValueError(f"coordination must be one of {ASYNC_MODES}, got {self.coordination!r}")
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    return raw.strip().lower() not in ("0", "false", "no", "off")
 
 
 def resolve(cls, options, overrides: dict[str, Any]):
+    """``options`` (or the defaults of ``cls``) with the keyword ``overrides`` applied; unknown names raise."""
     base = options if options is not None else cls()
     if not isinstance(base, cls):
         raise TypeError(f"options must be a {cls.__name__}, got {type(base).__name__}")

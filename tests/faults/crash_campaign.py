@@ -100,7 +100,7 @@ def worker(rank: int, world: int, root: str, step: int, mode: str, coordination:
             open(ready, "w").close()
             hyperdcp.save(state, path, timeout=timeout)
         else:
-            from hyperdcp.async_save import async_save
+            from hyperdcp.async_saving import async_save
 
             if mode == "async-rank":  # the kill may also land during staging
                 open(ready, "w").close()

@@ -22,7 +22,8 @@ TENSOR, VALUE = "tensor", "value"
 
 
 def _is_stateful(v: Any) -> bool:
-    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)) and not is_tensor_like(v)
+    return (callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
+            and not is_tensor_like(v))
 
 
 def _entries(d: dict) -> Iterable[tuple[Any, Any]]:
@@ -36,7 +37,8 @@ def _entries(d: dict) -> Iterable[tuple[Any, Any]]:
 def _join(prefix: str, key: Any) -> str:
     if type(key) not in (str, int):
         raise StateDictError(
-            f"key {key!r} under {prefix or 'the top level'!r} is a {type(key).__name__}; state-dict keys must be str or int"
+            f"key {key!r} under {prefix or 'the top level'!r} is a {type(key).__name__}; "
+            "state-dict keys must be str or int"
         )
     return f"{prefix}.{key}" if prefix else str(key)
 

@@ -46,7 +46,8 @@ _CODES = {
     torch.float64: "F64",
     torch.complex64: "C64",
 }
-for _name, _code in [("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"), ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")]:
+for _name, _code in [("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"), ("float8_e4m3fn", "F8_E4M3"),
+                     ("float8_e5m2", "F8_E5M2")]:
     if hasattr(torch, _name):
         _CODES[getattr(torch, _name)] = _code
 TORCH_DTYPE = {v: k for k, v in _CODES.items()}
@@ -60,7 +61,8 @@ def describe(value: Any) -> str:
     if _LEGACY and isinstance(value, _LEGACY):
         return f"ShardedTensor{tuple(value.size())} with {len(value.local_shards())} local shard(s)"
     if isinstance(value, DTensor):
-        return f"DTensor{tuple(value.shape)} {value.dtype} on mesh {tuple(value.device_mesh.shape)} {list(value.placements)}"
+        return (f"DTensor{tuple(value.shape)} {value.dtype} on mesh {tuple(value.device_mesh.shape)} "
+                f"{list(value.placements)}")
     return f"Tensor{tuple(value.shape)} {value.dtype} on {value.device}"
 
 
@@ -357,7 +359,8 @@ def _parts(fqn: str, value: torch.Tensor, ctx) -> tuple[tuple[int, ...], list[tu
             md = sh.metadata
             box = Box(tuple(int(o) for o in md.shard_offsets), tuple(int(n) for n in md.shard_sizes))
             if tuple(sh.tensor.shape) != box.lengths:
-                raise StateDictError(f"{fqn!r}: a local shard has shape {tuple(sh.tensor.shape)} but its metadata says {box}")
+                raise StateDictError(f"{fqn!r}: a local shard has shape {tuple(sh.tensor.shape)} but its metadata "
+                                     f"says {box}")
             if box.numel:
                 out.append((box, tuple(slice(None) for _ in box.lengths), sh.tensor))
         return tuple(int(s) for s in value.size()), out, None
@@ -386,7 +389,8 @@ def to_sharded(fqn: str, value: torch.Tensor, ctx, for_load: bool) -> ShardedTen
             raise StateDictError(f"{fqn!r}: local shard shape {got} does not match its placement box {box}")
     if not for_load:
         if any(local.device.type == "meta" for _, _, local in parts):
-            raise StateDictError(f"cannot save {fqn!r}: it is on the meta device and holds no data; materialize it first")
+            raise StateDictError(f"cannot save {fqn!r}: it is on the meta device and holds no data; "
+                                 "materialize it first")
         shards = [LocalShard(box, host_bytes(local[sl] if box.ndim else local), reps) for box, sl, local in parts]
         return ShardedTensor(fqn, code, shape, shards)
     layout = grid_layout(value, ctx)
@@ -406,7 +410,8 @@ def to_sharded(fqn: str, value: torch.Tensor, ctx, for_load: bool) -> ShardedTen
             shards.append(LocalShard(box, data, reps))
             continue
         host = torch.empty(box.lengths, dtype=dst.dtype, pin_memory=dst.device.type == "cuda")
-        shards.append(LocalShard(box, host_bytes(host) if host.dim() else host.reshape(1).view(torch.uint8).numpy(), reps))
+        data = host_bytes(host) if host.dim() else host.reshape(1).view(torch.uint8).numpy()
+        shards.append(LocalShard(box, data, reps))
         copies.append((dst, host))
     st = ShardedTensor(fqn, code, shape, shards, layout=layout)
     if copies:

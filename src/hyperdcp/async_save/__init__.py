@@ -1,26 +1,19 @@
-"""Asynchronous saves: stage in the training process, persist in a long-lived process per rank.
+"""Deprecated package path: async saves live in :mod:`hyperdcp.async_saving` (``hyperdcp.async_save`` is the
+function). Old imports of public names (``from hyperdcp.async_save import SaveFuture``) still resolve here."""
 
-    fut = hyperdcp.async_save(state_dict, "ckpt/step-200")   # returns once staging is done
-    meta = fut.result(timeout=600)                           # committed on all ranks
+from __future__ import annotations
 
-See :mod:`hyperdcp.async_save.saver` for the coordination modes.
-"""
+_MOVED = {"saver": "session", "persist_process": "child/worker", "future": "future", "staging": "staging"}
 
-from .future import (AsyncSaveError, AsyncSaveTimeoutError, PersistProcessDiedError, PersistProcessStuckError, SaveFuture,
-                     SaveInProgressError)
-from .rank_files import finalize
-from .saver import DEFAULT_MODE, MODES, async_save, shutdown
 
-__all__ = [
-    "async_save",
-    "shutdown",
-    "finalize",
-    "SaveFuture",
-    "AsyncSaveError",
-    "AsyncSaveTimeoutError",
-    "PersistProcessDiedError",
-    "PersistProcessStuckError",
-    "SaveInProgressError",
-    "MODES",
-    "DEFAULT_MODE",
-]
+def __getattr__(name: str):
+    import importlib
+
+    pkg = importlib.import_module("hyperdcp.async_saving")
+    if name in pkg.__all__:
+        return getattr(pkg, name)
+    if name in _MOVED:
+        raise AttributeError(f"hyperdcp.async_save.{name} moved to hyperdcp.async_saving.{_MOVED[name]}; "
+                             "import it from there")
+    raise AttributeError(f"module 'hyperdcp.async_save' has no attribute {name!r}; async saves live in "
+                         "hyperdcp.async_saving")

@@ -222,6 +222,8 @@ class SaveTarget:
             except OSError as e:
                 raise StorageError(f"cannot create {tmp!r}: {e.strerror or e}") from e
             self.tmp = tmp
+        except CheckpointError:  # CheckpointExistsError is also an OSError (FileExistsError): keep it as is
+            raise
         except OSError as e:
             raise StorageError(f"cannot prepare the save to {p!r}: {e.strerror or e} ({e.filename or p})") from e
         return self.tmp

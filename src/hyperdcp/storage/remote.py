@@ -63,7 +63,7 @@ def read_remote_metadata_bytes(url: str) -> bytes:
             raise IncompleteCheckpointError(
                 f"incomplete checkpoint at {url!r}: it has no {METADATA_FILE} (the save did not finish or this is not "
                 "a hyperdcp checkpoint; no-collectives async saves must be finalized with "
-                "hyperdcp.async_save.finalize, and HuggingFace directories loaded from a local path); load an "
+                "hyperdcp.finalize, and HuggingFace directories loaded from a local path); load an "
                 "earlier checkpoint"
             ) from None
         raise CheckpointNotFoundError(f"no checkpoint at {url!r}: {meta_url} does not exist; check the URL and step") from None

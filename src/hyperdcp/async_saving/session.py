@@ -1,4 +1,9 @@
-"""``async_save``: stage in the training process, persist in a long-lived process per rank.
+"""One training process's async-save session: rendezvous, staging, submitting saves, plan-cache sync.
+
+Call order (inside :func:`hyperdcp.async_save`, every rank, same order):
+``open_session(coord, mode)`` (once per group and mode: agrees on a token, starts nothing yet) ->
+``session.save(state_dict, path, opts, wait, exchange_dir)`` (stages, starts or reuses the persist process,
+submits, returns a :class:`SaveFuture`) ... -> ``shutdown()`` (also at exit).
 
 Coordination modes of the persist processes (``coordination=``):
 
@@ -9,9 +14,9 @@ Coordination modes of the persist processes (``coordination=``):
   the checkpoint; ``exchange_dir=`` to choose). No network beyond the shared file system; each
   exchange costs file-system latency (milliseconds to seconds on network file systems).
 * ``"none"``: no cross-rank step at all; each rank writes its data files and a rank metadata file;
-  :func:`hyperdcp.load` merges them. Use when ranks cannot talk after staging (or to avoid any
-  straggler coupling); the checkpoint is complete only once every rank's file exists, and there is no
-  atomic overwrite.
+  :func:`hyperdcp.load` merges them (or :func:`hyperdcp.finalize` does, once). Use when ranks cannot
+  talk after staging (or to avoid any straggler coupling); the checkpoint is complete only once every
+  rank's file exists, and there is no atomic overwrite.
 """
 
 from __future__ import annotations
@@ -23,30 +28,40 @@ import secrets
 import sys
 import threading
 import time
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .. import _runtime
+from ..async_save.file_coordination import write_abort
 from ..coordination.base import Coordinator, broadcast_checked
-from ..errors import CheckpointError, RemoteRankError
-from ..options import SaveOptions, resolve
+from ..errors import (
+    AsyncSaveError,
+    CheckpointError,
+    PersistProcessDiedError,
+    PersistProcessStuckError,
+    RemoteRankError,
+    SaveInProgressError,
+)
+from ..options import SaveOptions
 from ..saving import SaveResult
-from .file_coordination import write_abort
-from .future import (AsyncSaveError, PersistProcessDiedError, PersistProcessStuckError, RemoteTraceback, SaveFuture,
-                     SaveInProgressError)
-from .persist_process import PersistWorker
+from .future import RemoteTraceback, SaveFuture
 from .staging import Stager, writers_alone
+from .worker import PersistWorker
 
-MODES = ("gloo", "file", "none")
 DEFAULT_MODE = "gloo"
-#: test hook: a fault dict sent to the persist processes with the next saves (see persist_process._inject)
+#: test hook: a fault dict sent to the persist processes with the next saves (see child._inject)
 TEST_FAULT: dict | None = None
 
-_OPTION_FIELDS = ("overwrite", "timeout", "checksum_block_bytes", "files_per_rank", "plan_cache", "user_metadata")
+#: SaveOptions fields that do not travel to the persist process (a process group is not transferable)
+_NOT_TRANSFERRED = frozenset({"process_group"})
+_OPTION_FIELDS = tuple(f.name for f in fields(SaveOptions) if f.name not in _NOT_TRANSFERRED)
 
 
 def _plan_cache():
-    from ..api import DEFAULT_PLAN_CACHE
+    """The process-wide save plan cache (shared with :func:`hyperdcp.save`)."""
+    from ..planning.save_plan import PlanCache
 
-    return DEFAULT_PLAN_CACHE
+    return _runtime.slot("planning.plan_cache", PlanCache)
 
 
 class _Session:
@@ -88,7 +103,8 @@ class _Session:
         if self.world_size == 1:
             doc = json.loads(make())
         else:
-            doc = json.loads(broadcast_checked(self.coord, "starting async-save persist processes", make if self.rank == 0 else None, 0))
+            doc = json.loads(broadcast_checked(self.coord, "starting async-save persist processes",
+                                              make if self.rank == 0 else None, 0))
         return doc["token"], doc["host"], int(doc["port"])
 
     # ----------------------------------------------------------------------------------------
@@ -197,7 +213,8 @@ class _Session:
             f"rank {self.rank}: {why} while saving {fut.path!r}; it was killed and that checkpoint is not committed "
             "(a previous checkpoint at that path is intact); check the storage of that path (a hung network file "
             "system?) -- the next async_save starts a new persist process"))
-        print(f"hyperdcp: rank {self.rank}: {why}; killed it, the save to {fut.path!r} is not committed", file=sys.stderr)
+        print(f"hyperdcp: rank {self.rank}: {why}; killed it, the save to {fut.path!r} is not committed",
+              file=sys.stderr)
         if self.worker is worker:
             self.restart = True
         threading.Thread(target=worker.kill, daemon=True).start()  # a 'D' process dies only once its I/O returns
@@ -231,7 +248,7 @@ class _Session:
             fut._finish(SaveResult(**reply["result"]), None)
             return
         # gloo mode: the persist process keeps running; it votes for a new group at the next save (see
-        # persist_process._gloo_coordinator), so every rank re-forms the group together
+        # child._gloo_coordinator), so every rank re-forms the group together
         fut._finish(None, _rebuild(reply, self.rank, fut.path))
 
     def _drop_child_area(self) -> None:
@@ -297,7 +314,7 @@ class _Session:
 
     def _clean_exchange(self, wait: float = 5.0) -> None:
         """Rank 0 removes the exchange directories once every rank has marked them done."""
-        from .persist_process import _cleanup_exchange
+        from .child import _cleanup_exchange
 
         deadline = time.monotonic() + wait
         for root in self.xroots:
@@ -311,13 +328,10 @@ class _Session:
 def _rebuild(reply: dict, rank: int, path: str) -> BaseException:
     """The persist process's exception, rebuilt in the training process (no pickle)."""
     from .. import errors as E
-    from . import future as F
 
     cls = None
     if reply["module"] == E.__name__:
         cls = getattr(E, reply["type"], None)
-    elif reply["module"] == F.__name__:
-        cls = getattr(F, reply["type"], None)
     exc: BaseException | None = None
     if cls is RemoteRankError:
         exc = RemoteRankError(reply["message"], {int(k): v for k, v in reply.get("rank_errors", {}).items()})
@@ -336,14 +350,23 @@ def _rebuild(reply: dict, rank: int, path: str) -> BaseException:
     return exc
 
 
-_SESSIONS: dict[tuple, _Session] = {}
-_LOCK = threading.Lock()
-_ATEXIT = False
+@dataclass
+class _Sessions:
+    """This process's sessions (at most one at a time), in the ``async_saving.sessions`` slot."""
+
+    by_key: dict = field(default_factory=dict)
+    lock: Any = field(default_factory=threading.Lock)
+    exit_hook: bool = False
+
+
+def _sessions() -> _Sessions:
+    return _runtime.slot("async_saving.sessions", _Sessions)
 
 
 def _at_exit() -> None:
-    for key in list(_SESSIONS):
-        s = _SESSIONS.pop(key)
+    reg = _sessions()
+    for key in list(reg.by_key):
+        s = reg.by_key.pop(key)
         try:
             s.close()
         except Exception as e:  # noqa: BLE001
@@ -351,51 +374,40 @@ def _at_exit() -> None:
 
 
 def shutdown(timeout: float | None = 600.0) -> None:
-    """Finish any in-flight async save and stop this process's persist processes (also done at exit)."""
-    for key in list(_SESSIONS):
-        _SESSIONS.pop(key).close(timeout)
+    """Finish any in-flight async save and stop this process's persist processes (also done at exit).
+
+    Args:
+        timeout: seconds to wait for an in-flight save before giving up on it (it is then not committed).
+    """
+    reg = _sessions()
+    for key in list(reg.by_key):
+        reg.by_key.pop(key).close(timeout)
 
 
 def current_session() -> _Session | None:
     """The most recently used session of this process (diagnostics and tests)."""
-    return next(reversed(_SESSIONS.values()), None) if _SESSIONS else None
+    by_key = _sessions().by_key
+    return next(reversed(by_key.values()), None) if by_key else None
 
 
-def async_save(state_dict: Any, path: str | os.PathLike, *, options: SaveOptions | None = None,
-               coordinator: Coordinator | None = None, coordination: str = DEFAULT_MODE, wait: bool = True,
-               exchange_dir: str | os.PathLike | None = None, **overrides: Any) -> SaveFuture:
-    """Save ``state_dict`` to ``path`` in the background. Every rank calls it, in the same order.
-
-    Returns once this rank's shards are copied into its staging area (so the state dict may change
-    right away); planning, coordination, writing and the commit run in this rank's persist process.
-    ``fut.result(timeout)`` returns the :class:`~hyperdcp.SaveResult` once the checkpoint is committed
-    on every rank. At most one save is in flight per rank: a second call waits for the first
-    (``wait=False``: raises :class:`SaveInProgressError`). ``coordination``: ``"gloo"`` (default),
-    ``"file"`` or ``"none"``; see :mod:`hyperdcp.async_save.saver`.
-    """
-    global _ATEXIT
-    if coordination not in MODES:
-        raise ValueError(f"coordination must be one of {MODES}, got {coordination!r}")
-    from ..api import coordinator_for
-    from ..storage.remote import local_save_path
-
-    path = local_save_path(path)  # remote URLs: UnsupportedStorageError (save locally and upload)
-
-    opts = resolve(SaveOptions, options, overrides)
-    coord = coordinator or coordinator_for(opts.process_group, opts.timeout)
-    key = (coordination, coord.world_size, coord.rank, tuple(coord.global_ranks))
-    with _LOCK:
-        sess = _SESSIONS.get(key)
+def open_session(coord: Coordinator, mode: str) -> _Session:
+    """The session of ``coord``'s group for ``mode``; a new one closes any other first (bounded staging
+    memory, one persist process per rank). Every rank calls it in the same order (a new session agrees
+    on a token through ``coord``)."""
+    reg = _sessions()
+    key = (mode, coord.world_size, coord.rank, tuple(coord.global_ranks))
+    with reg.lock:
+        sess = reg.by_key.get(key)
         if sess is None:
-            for k in list(_SESSIONS):  # one session at a time: bounded staging memory, one persist process
-                _SESSIONS.pop(k).close(report=False)
-            sess = _SESSIONS[key] = _Session(coord, coordination)
-            if not _ATEXIT:
+            for k in list(reg.by_key):
+                reg.by_key.pop(k).close(report=False)
+            sess = reg.by_key[key] = _Session(coord, mode)
+            if not reg.exit_hook:
                 atexit.register(_at_exit)
                 # processes started by multiprocessing leave through os._exit (no atexit): its finalizers run
                 import multiprocessing.util as mpu
 
                 mpu.Finalize(None, _at_exit, exitpriority=100)
-                _ATEXIT = True
+                reg.exit_hook = True
     sess.coord = coord
-    return sess.save(state_dict, path, opts, wait, os.fspath(exchange_dir) if exchange_dir else None)
+    return sess

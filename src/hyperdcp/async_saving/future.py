@@ -1,4 +1,4 @@
-"""The handle :func:`hyperdcp.async_save` returns, and the errors of async saves."""
+"""The handle :func:`hyperdcp.async_save` returns (the errors of async saves live in :mod:`hyperdcp.errors`)."""
 
 from __future__ import annotations
 
@@ -7,32 +7,14 @@ import threading
 import time
 from typing import Callable
 
-from ..errors import CheckpointError, CoordinationError
+from ..errors import (  # noqa: F401 - re-exported
+    AsyncSaveError,
+    AsyncSaveTimeoutError,
+    PersistProcessDiedError,
+    PersistProcessStuckError,
+    SaveInProgressError,
+)
 from ..saving import SaveResult
-
-
-class AsyncSaveError(CheckpointError):
-    """An async save failed in its persist process; ``remote_traceback`` holds that process's traceback."""
-
-    remote_traceback: str = ""
-    original_type: str = ""
-
-
-class SaveInProgressError(AsyncSaveError):
-    """An async save is already in flight on this rank and the caller asked not to wait for it."""
-
-
-class PersistProcessDiedError(AsyncSaveError, CoordinationError):
-    """The persist process of this rank died during a save."""
-
-
-class PersistProcessStuckError(PersistProcessDiedError):
-    """The persist process of this rank was stopped or blocked in the kernel without progress (see
-    :meth:`~hyperdcp.async_save.persist_process.PersistWorker.stuck`); it was killed, the save not committed."""
-
-
-class AsyncSaveTimeoutError(AsyncSaveError, TimeoutError):
-    """``SaveFuture.result(timeout)`` expired; the save itself goes on."""
 
 
 class RemoteTraceback(Exception):

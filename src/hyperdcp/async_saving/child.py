@@ -1,6 +1,7 @@
-"""The long-lived persist process of one rank, and its command protocol.
+"""The long-lived persist process of one rank (the child side), and its command protocol.
 
-The training process starts it once (a fresh interpreter, ``python -m hyperdcp.async_save._child``:
+The training process starts it once (:class:`~hyperdcp.async_saving.worker.PersistWorker`; a fresh
+interpreter, ``python -m hyperdcp.async_saving._child``:
 nothing is forked from a process holding CUDA/NCCL state, and the user's ``__main__`` is not re-run) and
 talks to it over a socket pair with :class:`multiprocessing.connection.Connection`. Messages are plain
 dicts of str/int/float/bytes/lists; tensor bytes never travel through the pipe: they are read from the
@@ -16,23 +17,38 @@ leaves persist processes behind.
 
 from __future__ import annotations
 
-import collections
 import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-# --------------------------------------------------------------------------------------------
-# child side
-# --------------------------------------------------------------------------------------------
-_STATE: dict[str, Any] = {"pg_prefix": None, "area": None, "cache": None, "known": set()}
+from .. import _runtime
+
+
+@dataclass
+class ChildState:
+    """What one persist process keeps between saves (one per process, in the ``async_saving.child`` slot)."""
+
+    pg_prefix: str | None = None  # store prefix of the current gloo group (None: no group)
+    group_suspect: bool = False  # the last save failed: vote for a new group at the next one
+    store: Any = None  # the TCPStore client (gloo mode)
+    area: Any = None  # the mapped staging area (ShmArea, read-only)
+    cache: Any = None  # this process's PlanCache
+    known: set = field(default_factory=set)  # plan-cache keys the training process already has
+    restore: Any = None  # (module, original) of an installed test fault
+    busy: bool = False  # a save is running
+    terminating: bool = False  # SIGTERM arrived during a save
+    orphan: bool = False  # the training process is gone
+
+
+def _state() -> ChildState:
+    return _runtime.slot("async_saving.child", ChildState)
 
 
 def _gloo_coordinator(msg: dict):
@@ -53,12 +69,12 @@ def _gloo_coordinator(msg: dict):
     from ..coordination.torch_dist import TorchCoordinator
 
     timeout = timedelta(seconds=float(msg.get("timeout") or 600))
-    store = _STATE.get("store")
+    store = _state().store
     if store is None:
-        store = _STATE["store"] = dist.TCPStore(msg["host"], int(msg["port"]), is_master=False, timeout=timeout)
+        store = _state().store = dist.TCPStore(msg["host"], int(msg["port"]), is_master=False, timeout=timeout)
     base, seq, W = msg["rdzv_prefix"], int(msg["seq"]), int(msg["world_size"])
     vote = f"{base}/vote/{seq}"
-    want = 1 if (_STATE["pg_prefix"] is None or _STATE.get("group_suspect")) else 0
+    want = 1 if (_state().pg_prefix is None or _state().group_suspect) else 0
     rank = int(msg["rank"])
     store.set(f"{vote}/in/{rank}", b"1")  # who arrived: to name the missing ranks if the vote times out
     store.add(f"{vote}/new-group", want)
@@ -94,17 +110,17 @@ def _gloo_coordinator(msg: dict):
             f"processes are stuck or dead); nothing was committed"
         ) from e
     if store.add(f"{vote}/new-group", 0) > 0:
-        if _STATE["pg_prefix"] is not None:
+        if _state().pg_prefix is not None:
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken group is replaced anyway
                 pass
-            _STATE["pg_prefix"] = None
+            _state().pg_prefix = None
         prefix = f"{base}/g{seq}"
         dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=msg["rank"], world_size=W,
                                 timeout=timeout)
-        _STATE["pg_prefix"] = prefix
-    _STATE["group_suspect"] = True  # until this save succeeds
+        _state().pg_prefix = prefix
+    _state().group_suspect = True  # until this save succeeds
     return TorchCoordinator()
 
 
@@ -147,7 +163,7 @@ def _explain_gloo_failure(msg: dict, e: BaseException, wait: float = 3.0) -> Bas
     watcher races with gloo's own error): wait briefly for that announcement and report it instead."""
     from ..errors import CoordinationError, RemoteRankError
 
-    store = _STATE.get("store")
+    store = _state().store
     if store is None or isinstance(e, RemoteRankError) or getattr(e, "rank_errors", None):
         return e
     key = f"hyperdcp-abort/{msg['rdzv_prefix']}/{msg['seq']}"
@@ -168,17 +184,17 @@ def _explain_gloo_failure(msg: dict, e: BaseException, wait: float = 3.0) -> Bas
 def _area(path: str, nbytes: int):
     from .staging import ShmArea
 
-    cur = _STATE["area"]
+    cur = _state().area
     if cur is not None and (cur.path, cur.nbytes) == (path, max(nbytes, 1)):
         return cur
     if cur is not None:
         cur.close()
-    _STATE["area"] = ShmArea(nbytes, path=path, readonly=True)
+    _state().area = ShmArea(nbytes, path=path, readonly=True)
     try:  # mapped: the name can go, so nothing stays in /dev/shm whichever process dies first
         os.unlink(path)
     except OSError:
         pass
-    return _STATE["area"]
+    return _state().area
 
 
 def _staged(msg: dict):
@@ -221,7 +237,13 @@ def _inject(fault: dict | None, rank: int) -> None:
         return orig(*a, **k)
 
     saving._write_assigned = faulty
-    _STATE["restore"] = (saving, orig)
+    _state().restore = (saving, orig)
+
+
+def _pop_restore():
+    st = _state()
+    restore, st.restore = st.restore, None
+    return restore
 
 
 def _cleanup_exchange(root: str, world_size: int, keep: str | None) -> None:
@@ -251,17 +273,17 @@ def _save(msg: dict) -> dict:
     plan (LocalPlan bytes), shm_path, shm_bytes, offsets, sizes (int64 bytes), values (encoded), cache
     (entries to seed), plus per mode: host/port/rdzv_prefix/timeout (gloo), exchange_dir (file),
     mine/save_id (none); fault (tests only)."""
+    from ..async_save.file_coordination import FileCoordinator
+    from ..async_save.rank_files import persist_alone
     from ..coordination.base import LocalCoordinator
     from ..options import SaveOptions
     from ..planning.save_plan import GlobalPlan, PlanCache
     from ..saving import persist
-    from .file_coordination import FileCoordinator
-    from .rank_files import persist_alone
 
-    if _STATE["cache"] is None:
-        _STATE["cache"] = PlanCache()
-    cache: PlanCache = _STATE["cache"]
-    known: set = _STATE["known"]
+    if _state().cache is None:
+        _state().cache = PlanCache()
+    cache: PlanCache = _state().cache
+    known: set = _state().known
     for key, kind, raw in msg.get("cache", []):
         if key not in known:
             cache.put(key, GlobalPlan.from_bytes(raw) if kind == "plan" else np.frombuffer(raw, np.int64).copy())
@@ -303,11 +325,11 @@ def _save(msg: dict) -> dict:
                     except OSError:
                         pass
             if mode == "gloo":
-                _STATE["group_suspect"] = False
+                _state().group_suspect = False
     finally:
-        restore = _STATE.pop("restore", None)
+        restore = _pop_restore()
         if restore is not None:
-            setattr(restore[0], "_write_assigned", restore[1])
+            restore[0]._write_assigned = restore[1]
     back = []
     for key, val in cache.items():
         if key not in known:
@@ -318,14 +340,15 @@ def _save(msg: dict) -> dict:
                 back.append((key, "assign", np.ascontiguousarray(val, np.int64).tobytes()))
     return {
         "result": {"path": res.path, "rank": res.rank, "world_size": res.world_size, "bytes_written": res.bytes_written,
-                   "files_written": list(res.files_written), "plan_cache_hit": res.plan_cache_hit, "seconds": res.seconds},
+                   "files_written": list(res.files_written), "plan_cache_hit": res.plan_cache_hit,
+                   "seconds": res.seconds},
         "cache": back,
     }
 
 
 def _error_reply(e: BaseException) -> dict:
     if isinstance(e, _Terminated):
-        return {"ok": False, "type": "PersistProcessDiedError", "module": "hyperdcp.async_save.future",
+        return {"ok": False, "type": "PersistProcessDiedError", "module": "hyperdcp.errors",
                 "message": f"{e}; the checkpoint was not committed (its temporary directory and lock were removed; a "
                            "previous checkpoint at that path is intact)", "traceback": "", "rank_errors": {}}
     return {
@@ -340,18 +363,18 @@ class _Terminated(BaseException):
 
 
 def _on_sigterm(signum, frame) -> None:
-    if _STATE.get("busy") and not _STATE.get("terminating"):
-        _STATE["terminating"] = True
+    if _state().busy and not _state().terminating:
+        _state().terminating = True
         raise _Terminated(f"the persist process (pid {os.getpid()}) received SIGTERM during the save")
-    if not _STATE.get("terminating"):
+    if not _state().terminating:
         _die_by_sigterm()
 
 
 def _die_by_sigterm() -> None:
     import signal
 
-    if _STATE["area"] is not None:
-        _STATE["area"].close()
+    if _state().area is not None:
+        _state().area.close()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
     os._exit(143)
@@ -363,8 +386,8 @@ def _watch_parent(ppid: int) -> None:
     while True:
         time.sleep(0.5)
         if os.getppid() != ppid:
-            _STATE["orphan"] = True
-            if not _STATE.get("busy"):
+            _state().orphan = True
+            if not _state().busy:
                 os._exit(3)
 
 
@@ -387,9 +410,9 @@ def main(fd: int) -> None:
         if op == "stop":
             break
         if op == "drop":  # the training process is about to free the staging area
-            if _STATE["area"] is not None:
-                _STATE["area"].close()
-                _STATE["area"] = None
+            if _state().area is not None:
+                _state().area.close()
+                _state().area = None
             with send_lock:
                 conn.send({"ok": True})
             continue
@@ -397,17 +420,17 @@ def main(fd: int) -> None:
             stop = threading.Event()
             if msg.get("mode") == "gloo":
                 threading.Thread(target=_watch_abort, args=(msg, conn, send_lock, stop), daemon=True).start()
-            _STATE["busy"] = True
+            _state().busy = True
             try:
                 try:
                     reply = {"ok": True, **_save(msg)}
                 except BaseException as e:  # noqa: BLE001 - everything goes back to the training process
                     reply = _error_reply(_explain_gloo_failure(msg, e) if msg.get("mode") == "gloo" else e)
             except _Terminated:  # SIGTERM while building the reply: the save is over either way
-                reply = {"ok": False, "type": "PersistProcessDiedError", "module": "hyperdcp.async_save.future",
+                reply = {"ok": False, "type": "PersistProcessDiedError", "module": "hyperdcp.errors",
                          "message": "the persist process received SIGTERM", "traceback": "", "rank_errors": {}}
-            _STATE["busy"] = False
-            area = _STATE["area"]
+            _state().busy = False
+            area = _state().area
             if area is not None:
                 reply["mapped"] = area.path
             with send_lock:
@@ -416,232 +439,19 @@ def main(fd: int) -> None:
                     conn.send(reply)
                 except (OSError, EOFError):
                     break
-            if _STATE.get("terminating"):
+            if _state().terminating:
                 _die_by_sigterm()
-            if _STATE.get("orphan"):
+            if _state().orphan:
                 break
-    if _STATE["pg_prefix"] is not None:
+    if _state().pg_prefix is not None:
         try:
             import torch.distributed as dist
 
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
-    if _STATE["area"] is not None:
-        _STATE["area"].close()
+    if _state().area is not None:
+        _state().area.close()
     os._exit(0)
 
-
-# --------------------------------------------------------------------------------------------
-# parent side
-# --------------------------------------------------------------------------------------------
-def _proc_progress(pid: int) -> tuple[str, tuple | None]:
-    """(state, progress counters) of a process: 'T' if any thread is stopped, else 'D' if one is in
-    uninterruptible sleep, else the main thread's state; counters: I/O characters and CPU ticks."""
-    state = "?"
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        tids = [str(pid)]
-    states = []
-    cpu = 0
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                rest = f.read().rsplit(b")", 1)[1].split()
-            states.append(rest[0].decode())
-            cpu += int(rest[11]) + int(rest[12])
-        except (OSError, IndexError, ValueError):
-            continue
-    if states:
-        state = "T" if any(x in ("T", "t") for x in states) else "D" if "D" in states else states[0]
-    io = ()
-    try:
-        with open(f"/proc/{pid}/io") as f:
-            io = tuple(line.split()[1] for line in f if line.startswith(("rchar", "wchar")))
-    except OSError:
-        pass
-    return state, (cpu, io)
-
-
-class _Pending:
-    """One command's reply, filled in by the reader thread."""
-
-    def __init__(self, on_reply=None):
-        self.on_reply = on_reply
-        self.event = threading.Event()
-        self.reply: dict | None = None
-        self.exc: BaseException | None = None
-
-    def deliver(self, reply: dict | None, exc: BaseException | None) -> None:
-        self.reply, self.exc = reply, exc
-        self.event.set()
-        if self.on_reply is not None:
-            self.on_reply(reply, exc)
-
-    def get(self) -> dict:
-        self.event.wait()
-        if self.exc is not None:
-            raise self.exc
-        assert self.reply is not None
-        return self.reply
-
-
-class PersistWorker:
-    """Handle on one persist process, owned by a training process."""
-
-    def __init__(self, rank: int, started_at_seq: int):
-        import socket
-
-        self.rank = rank
-        self.started_at_seq = started_at_seq
-        a, b = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hyperdcp.async_save._child", str(b.fileno())],
-                pass_fds=[b.fileno()], env=env, close_fds=True,
-            )
-        finally:
-            b.close()
-        self.conn = Connection(a.detach())
-        self.lock = threading.Lock()
-        self._pending: collections.deque = collections.deque()
-        self._reader: threading.Thread | None = None
-        self._gone: BaseException | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    #: seconds a persist process may stay stopped, or blocked in the kernel without doing any I/O or
-    #: computing, before it counts as stuck (``HYPERDCP_PERSIST_STALL_SECONDS``)
-    STALL_SECONDS = 30.0
-    _stall_since: float | None = None
-    _stall_mark: tuple | None = None
-
-    def stuck(self) -> str | None:
-        """Why this persist process is stuck, or None while it is alive and not stuck.
-
-        Stuck: stopped (SIGSTOP, a debugger) or with a thread in uninterruptible sleep ('D': e.g. a write to
-        a hung network file system) while its I/O and CPU counters do not move, for ``STALL_SECONDS``. A
-        process waiting for a peer sleeps interruptibly and is never stuck here (the save's timeout bounds it).
-        """
-        if not self.alive():
-            return None
-        limit = float(os.environ.get("HYPERDCP_PERSIST_STALL_SECONDS") or self.STALL_SECONDS)
-        state, mark = _proc_progress(self.pid)
-        blocked = state in ("T", "t") or (state == "D" and mark == self._stall_mark)
-        now = time.monotonic()
-        self._stall_mark = mark
-        if not blocked:
-            self._stall_since = None
-            return None
-        if self._stall_since is None:
-            self._stall_since = now
-        if now - self._stall_since < limit:
-            return None
-        what = ("is stopped (SIGSTOP or a debugger)" if state in ("T", "t") else
-                "is blocked in the kernel without any I/O (a write stuck on a network file system?)")
-        return f"the persist process of rank {self.rank} (pid {self.pid}) {what} for {now - self._stall_since:.0f}s"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def exit_description(self) -> str:
-        try:
-            code = self.proc.wait(timeout=5)  # the socket can close a moment before the process is reaped
-        except subprocess.TimeoutExpired:
-            code = None
-        if code is None:
-            return "is still running"
-        if code < 0:
-            import signal
-
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = str(-code)
-            return f"was killed by signal {name}"
-        return f"exited with code {code}"
-
-    def submit(self, msg: dict, on_reply: Callable[[dict | None, BaseException | None], None] | None = None) -> "_Pending":
-        """Send one command; its reply is delivered by this worker's reader thread (``on_reply`` runs there).
-
-        The calling thread only pickles and sends: no other thread is woken (waking one costs the caller
-        a GIL hand-off, milliseconds on a loaded machine). The child answers commands in order, so the
-        reader thread matches replies to commands by position.
-        """
-        pend = _Pending(on_reply)
-        with self.lock:
-            if self._reader is None:
-                self._reader = threading.Thread(target=self._read_loop, daemon=True,
-                                                name=f"hyperdcp-persist-reader-rank{self.rank}")
-                self._reader.start()
-            if self._gone is not None:
-                err: BaseException | None = self._gone
-            else:
-                self._pending.append(pend)
-                try:
-                    self.conn.send(msg)
-                    err = None
-                except (OSError, EOFError, ValueError) as e:
-                    self._pending.remove(pend)
-                    err = EOFError(str(e))
-        if err is not None:
-            pend.deliver(None, err)
-        return pend
-
-    def request(self, msg: dict) -> dict:
-        """Send one command and wait for its reply; raise EOFError if the process dies first."""
-        return self.submit(msg).get()
-
-    def _read_loop(self, poll: float = 0.2) -> None:
-        while True:
-            try:
-                ready = self.conn.poll(poll)
-                reply = self.conn.recv() if ready else None
-            except (EOFError, OSError, ValueError):
-                break  # the child died (or this end was closed)
-            if reply is not None:
-                with self.lock:
-                    pend = self._pending.popleft() if self._pending else None
-                if pend is not None:
-                    pend.deliver(reply, None)
-                continue
-            if not self.alive():
-                try:
-                    if self.conn.poll(0):
-                        continue  # read what it sent before dying
-                except (EOFError, OSError, ValueError):
-                    pass
-                break
-        with self.lock:
-            self._gone = EOFError("the persist process is gone")
-            pending, self._pending = list(self._pending), collections.deque()
-        for pend in pending:
-            pend.deliver(None, EOFError(self.exit_description()))
-
-    def stop(self, timeout: float = 10.0) -> None:
-        try:
-            if self.alive():
-                self.conn.send({"op": "stop"})
-                self.proc.wait(timeout=timeout)
-        except Exception:  # noqa: BLE001
-            pass
-        self.kill()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            try:
-                self.proc.wait(timeout=10)
-            except Exception:  # noqa: BLE001
-                pass
-        try:
-            self.conn.close()
-        except OSError:
-            pass
 
