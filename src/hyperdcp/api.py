@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
-from .coordination.base import Coordinator, LocalCoordinator
+from .coordination import default_coordinator
+from .coordination.base import Coordinator
 from .format.metadata import Metadata
 from .loading import LoadResult
 from .loading import load as _load
@@ -19,22 +19,8 @@ from .storage.remote import is_remote, load_remote_metadata, local_path, local_s
 #: plans of recent saves in this process, keyed by the structure of every rank's state dict
 DEFAULT_PLAN_CACHE = PlanCache()
 
-
-def coordinator_for(process_group: Any = None, timeout: float | None = None) -> Coordinator:
-    """torch.distributed when it is initialized (in the given group), else a single process."""
-    if sys.modules.get("torch") is not None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            from .coordination.torch_dist import TorchCoordinator
-
-            return TorchCoordinator(process_group, timeout)
-    if process_group is not None:
-        from .errors import CoordinationError
-
-        raise CoordinationError("a process_group was given but torch.distributed is not initialized; call "
-                                "torch.distributed.init_process_group() first, or drop process_group=")
-    return LocalCoordinator()
+#: the old name of :func:`hyperdcp.coordination.default_coordinator`
+coordinator_for = default_coordinator
 
 
 def save(state_dict: Any, path: str | os.PathLike, *, options: SaveOptions | None = None,

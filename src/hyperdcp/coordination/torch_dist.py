@@ -1,8 +1,9 @@
-"""Coordinator over a torch.distributed process group.
+"""Coordinator over a torch.distributed process group; also a :class:`~hyperdcp.coordination.base.Transport`.
 
 Byte strings travel as uint8 CPU tensors through a gloo group: the caller's group when it already is
 gloo, otherwise a gloo twin of it created once (with ``use_local_synchronization`` so only its members
-take part) and reused for every later save and load.
+take part) and reused for every later save and load. Point-to-point buffers (read-once loads) travel
+through the same gloo group; broadcasts in a DeviceMesh's own groups use the handle the layout carries.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import re
 import socket
 import threading
 from datetime import timedelta
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -94,6 +95,8 @@ def _store_get(key: str, wait_s: float = 3.0) -> str | None:
 
 
 class TorchCoordinator(Coordinator):
+    """Collectives (and Transport) over ``pg`` (default: the world), through its gloo twin."""
+
     def __init__(self, pg=None, timeout: float | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized")
@@ -285,3 +288,22 @@ class TorchCoordinator(Coordinator):
         rest = _t(data[cap - 8 :]) if me else torch.empty(n - (cap - 8), dtype=torch.uint8)
         self._call(dist.broadcast, rest, src=self._global[src], group=self.group)
         return raw[8:].tobytes() + rest.numpy().tobytes()
+
+    # -- Transport (read-once loads) --------------------------------------------------------------
+    def isend(self, buf: np.ndarray, peer: int, tag: int) -> Any:
+        """Send ``buf`` to group rank ``peer`` (non-blocking)."""
+        return self._call(dist.isend, torch.from_numpy(buf), dst=self._global[peer], group=self.group, tag=tag)
+
+    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Any:
+        """Receive into ``buf`` from group rank ``peer`` (non-blocking)."""
+        return self._call(dist.irecv, torch.from_numpy(buf), src=self._global[peer], group=self.group, tag=tag)
+
+    def broadcast_in(self, buf: np.ndarray, src: int, group: Any) -> Any:
+        """Broadcast ``buf`` from group rank ``src`` inside ``group`` (a DeviceMesh dim group; None: all ranks)."""
+        group = self.group if group is None else group
+        return self._call(dist.broadcast, torch.from_numpy(buf), src=self._global[src], group=group, async_op=True)
+
+    def wait(self, handles: Sequence[Any]) -> None:
+        """Wait for every handle of :meth:`isend`, :meth:`irecv` and :meth:`broadcast_in`."""
+        for h in handles:
+            self._call(h.wait)
