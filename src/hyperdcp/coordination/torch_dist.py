@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import threading
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -19,10 +20,31 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import _runtime
 from ..errors import CoordinationError
 from .base import Coordinator
 
-_GLOO_TWINS: dict[tuple[str, float | None], object] = {}
+
+@dataclass
+class GroupState:
+    """What this process learnt about one process group (kept in :mod:`hyperdcp._runtime`)."""
+
+    peers: list[tuple[str, int]] | None = None  # (hostname, pid) per member, learnt at its first save/load
+    arrivals: int = 0  # arrivals so far (the ranks that arrive agree on it; keys the store entry naming the missing)
+
+
+def _gloo_twins() -> dict[tuple[str, float | None], object]:
+    """The gloo twin of each (non-gloo or timed) group, created once per process."""
+    return _runtime.slot("coordination.torch_dist.gloo_twins", dict)
+
+
+def group_state(pg) -> GroupState:
+    """The :class:`GroupState` of process group ``pg``."""
+    states: dict[int, GroupState] = _runtime.slot("coordination.torch_dist.groups", dict)
+    st = states.get(id(pg))
+    if st is None:
+        st = states.setdefault(id(pg), GroupState())
+    return st
 
 
 def _backend(pg) -> str:
@@ -38,13 +60,14 @@ def gloo_group(pg=None, timeout: float | None = None):
     if timeout is None and _backend(pg) == "gloo":
         return pg
     key = (dist.get_process_group_ranks(pg).__repr__() + getattr(pg, "group_name", ""), timeout)
-    twin = _GLOO_TWINS.get(key)
+    twins = _gloo_twins()
+    twin = twins.get(key)
     if twin is None:
         kwargs = {"backend": "gloo", "use_local_synchronization": True}
         if timeout is not None:
             kwargs["timeout"] = timedelta(seconds=timeout)
         twin = dist.new_group(ranks=dist.get_process_group_ranks(pg), **kwargs)
-        _GLOO_TWINS[key] = twin
+        twins[key] = twin
     return twin
 
 
@@ -58,13 +81,8 @@ def _t(data: bytes, size: int | None = None) -> torch.Tensor:
     return torch.from_numpy(buf)
 
 
-#: (hostname, pid) of every member of a gloo group, learnt at its first save/load (to name dead ranks)
-_PEERS: dict[int, list[tuple[str, int]]] = {}
 _RANKS_RE = re.compile(r"Ranks? ([0-9][0-9, ]*) failed to pass monitoredBarrier")
 
-
-#: arrivals so far per group (the ranks that arrive agree on it; keys the store entry naming the missing)
-_ARRIVALS: dict[int, int] = {}
 
 
 def _store():
@@ -120,7 +138,7 @@ class TorchCoordinator(Coordinator):
     # -- failures -------------------------------------------------------------------------------
     def _dead_ranks(self) -> list[int]:
         """Group ranks on this host whose process is gone (best effort; remote hosts are not probed)."""
-        peers = _PEERS.get(id(self._base)) or []
+        peers = group_state(self._base).peers or []
         me = socket.gethostname()
         dead = []
         for r, (host, pid) in enumerate(peers):
@@ -188,7 +206,7 @@ class TorchCoordinator(Coordinator):
         except (RuntimeError, OSError, TimeoutError) as e:
             m = _RANKS_RE.search(str(e))
             missing = sorted({int(x) for x in re.findall(r"[0-9]+", m.group(1))}) if m else []
-            key = f"hyperdcp/arrive/{self._global[0]}/{_ARRIVALS.get(id(self._base), 0)}"
+            key = f"hyperdcp/arrive/{self._global[0]}/{group_state(self._base).arrivals}"
             if self.rank == 0 and missing:
                 _store_set(key, ",".join(map(str, missing)))
             elif self.rank != 0 and "successfully reached monitoredBarrier" in str(e):
@@ -205,10 +223,11 @@ class TorchCoordinator(Coordinator):
                 f"{self.rank}); every rank must call it. Check that those ranks are alive and reach this call, "
                 "or raise timeout="
             ) from e
-        _ARRIVALS[id(self._base)] = _ARRIVALS.get(id(self._base), 0) + 1
-        if id(self._base) not in _PEERS:
+        state = group_state(self._base)
+        state.arrivals += 1
+        if state.peers is None:
             me = f"{socket.gethostname()}\n{os.getpid()}".encode()
-            _PEERS[id(self._base)] = [
+            state.peers = [
                 (h, int(p)) for h, p in (b.decode().split("\n") for b in self.all_gather(me))
             ]
 
