@@ -81,7 +81,6 @@ def _peer(head: dict[str, Any], rank: int) -> tuple[str, str, int]:
     return host, name, free
 
 
-
 # -- execution ------------------------------------------------------------------------------------
 
 
