@@ -108,10 +108,18 @@ def test_an_error_marked_raised_everywhere_is_not_exchanged_again():
 
 def _plan_and_scatter(rank, world, fail):
     from hyperdcp.coordination import default_coordinator
-    from hyperdcp.coordination.checked import plan_and_scatter
+    from hyperdcp.coordination.checked import gather_checked, plan_and_scatter
     from hyperdcp.errors import RemoteRankError
 
     coord = default_coordinator()
+
+    def write():
+        if fail and rank == 2:
+            raise OSError("no space left writing file 'data-2' (rank 2)")
+        return f"wrote{rank}".encode()
+
+    results, err = gather_checked(coord, "writing data files", write)
+    gathered = (results, type(err).__name__ if err else None, str(err) if err else None)
 
     def plan(payloads):
         if fail:
@@ -119,20 +127,31 @@ def _plan_and_scatter(rank, world, fail):
         return [p + b"->" + str(r).encode() for r, p in enumerate(payloads)]
 
     try:
-        return "ok", plan_and_scatter(coord, "global planning", f"rank{rank}".encode(), plan)
+        return gathered, ("ok", plan_and_scatter(coord, "global planning", f"rank{rank}".encode(), plan))
     except RemoteRankError as e:
-        return "remote", str(e)
+        return gathered, ("remote", str(e))
     except ValueError as e:
-        return "local", str(e)
+        return gathered, ("local", str(e))
 
 
-def test_plan_and_scatter_gives_each_rank_its_part_and_fails_every_rank_on_a_root_error():
+def test_gather_checked_and_plan_and_scatter_surface_an_error_on_one_rank_where_it_belongs():
+    """gather_checked: the root gets every result, or the first failing rank's error to raise at its next
+    step (the failing rank keeps its own); plan_and_scatter: each rank gets its part, or every rank fails
+    on the root's planning error."""
     pytest.importorskip("torch")
     ok = run_ranks(3, _plan_and_scatter, False, timeout=60)
-    assert ok == [("ok", b"rank0->0"), ("ok", b"rank1->1"), ("ok", b"rank2->2")]
+    assert ok[0][0] == ([b"wrote0", b"wrote1", b"wrote2"], None, None)
+    assert ok[1][0] == ok[2][0] == (None, None, None)
+    assert [r[1] for r in ok] == [("ok", b"rank0->0"), ("ok", b"rank1->1"), ("ok", b"rank2->2")]
+
     bad = run_ranks(3, _plan_and_scatter, True, timeout=60)
-    assert bad[0] == ("local", "no plan for tensor 'w' (rank 0)")
-    for kind, msg in bad[1:]:
+    results, kind, msg = bad[0][0]
+    assert results[:2] == [b"wrote0", b"wrote1"] and kind == "RemoteRankError"
+    assert "writing data files failed on rank 2" in msg and "data-2" in msg, msg
+    assert bad[1][0] == (None, None, None)
+    assert bad[2][0][0] is None and bad[2][0][1] == "OSError"  # its own error, raised at its next step
+    assert bad[0][1] == ("local", "no plan for tensor 'w' (rank 0)")
+    for _, (kind, msg) in bad[1:]:
         assert kind == "remote" and "global planning failed on rank 0" in msg and "tensor 'w'" in msg, msg
 
 

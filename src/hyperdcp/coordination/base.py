@@ -30,6 +30,7 @@ from .checked import (  # noqa: F401
     broadcast_checked,
     check_all,
     encode_status,
+    gather_checked,
     pack_status,
     plan_and_scatter,
     raise_remote,

@@ -7,6 +7,7 @@ rank where it happened) instead of leaving the others waiting for it:
 - :func:`run_checked`: every rank runs a function, then one one-flag collective (texts only on failure);
 - :func:`all_gather_checked`: every rank computes bytes and receives everyone's;
 - :func:`broadcast_checked`: one rank computes bytes and sends them to all;
+- :func:`gather_checked`: every rank computes bytes for one rank; errors surface at the next step;
 - :func:`plan_and_scatter`: every rank sends bytes to one rank, which computes a part for each rank;
 - :func:`check_all`: every rank reports its own error (or None).
 
@@ -134,6 +135,32 @@ def all_gather_checked(coord: "Coordinator", what: str, fn: Callable[[], bytes])
     msgs = coord.all_gather(pack_status(payload, exc))
     raise_remote(msgs, coord, what, exc)
     return [m[1:] for m in msgs]
+
+
+def gather_checked(coord: "Coordinator", what: str, fn: Callable[[], bytes],
+                   dst: int = 0) -> tuple[list[bytes] | None, BaseException | None]:
+    """Every rank computes ``fn()``; ``dst`` receives every result. Costs one gather and nothing more, so
+    errors are returned, not raised: ``(results, error)`` where ``results`` is the list on ``dst`` (None
+    elsewhere) and ``error`` is this rank's own exception, or on ``dst`` the first failing rank's error (as
+    RemoteRankError). The caller raises it in its next checked step (typically
+    ``broadcast_checked(..., local=error)``), which makes it surface on every rank.
+    """
+    payload, exc = None, None
+    try:
+        payload = fn()
+    except Exception as e:  # noqa: BLE001 - returned to the caller, raised at its next step
+        exc = e
+    msgs = coord.gather(pack_status(payload, exc), dst)
+    if msgs is None or coord.rank != dst:
+        return None, exc
+    if exc is None:
+        bad = [r for r, m in enumerate(msgs) if m[:1] == _ERR]
+        if bad:
+            try:
+                unpack_status(msgs[bad[0]], coord, what, bad[0])
+            except RemoteRankError as e:
+                exc = e
+    return [m[1:] for m in msgs], exc
 
 
 def broadcast_checked(coord: "Coordinator", what: str, fn: Callable[[], bytes] | None, src: int = 0,

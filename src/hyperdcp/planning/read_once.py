@@ -33,7 +33,7 @@ Flow (every rank runs the same steps; ranks that need nothing take part too):
    bytes, form exactly one dim group of a DeviceMesh and sit on other hosts than the reader goes by one
    ``broadcast`` in that mesh's own process group (:func:`mark_broadcasts`; decided from what every
    rank knows, so all members issue the same broadcasts in the same order; no group is ever created).
-   The rest is point-to-point (``isend``/``irecv`` on the coordinator's gloo group): a piece that is
+   The rest is point-to-point (the coordinator's Transport: ``isend``/``irecv``): a piece that is
    contiguous in the stored chunk is sent straight out of the read buffer to every rank that needs it
    and received straight into its destination memory when that is contiguous and of the stored dtype;
    other pieces (column slices of a reshard) are packed, one flat message per pair of ranks and batch.
