@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from hyperdcp.coordination import wire  # noqa: E402
+from hyperdcp.core import wire  # noqa: E402
 from hyperdcp.options import SaveOptions  # noqa: E402
 from hyperdcp.planning.save_plan import LocalPlan, TensorSpec, plan_global  # noqa: E402
 from hyperdcp.saving import build_metadata  # noqa: E402

@@ -160,7 +160,7 @@ def _transports(rank, world, path, hosts):
     from torch.distributed.tensor import Shard
 
     import hyperdcp.exchange as ex
-    import hyperdcp.loading as loading
+    import hyperdcp.loading.flow as loading  # where the load flow looks read_once up
 
     seen = []
     orig = loading.read_once
@@ -262,7 +262,7 @@ def test_planning_error_on_one_rank_fails_every_rank(ckpt):
 
 def _replicas_across_hosts(rank, world, path):
     """Replicas of each shard on two pretend hosts: their chunks go by broadcast in the mesh's dim-0 group."""
-    import hyperdcp.exchange as ex
+    import hyperdcp.loading.read_once as ex  # where read_once looks mark_broadcasts up
     from torch.distributed.device_mesh import init_device_mesh
 
     os.environ["HYPERDCP_HOST"] = f"h{rank // 2}"  # mesh [[0, 1], [2, 3]]: replicas {0, 2} and {1, 3} apart

@@ -48,7 +48,7 @@ def _strided(mesh, g=G, sf=2):
 def scenario_strided_several_boxes(rank, world, tmp):
     """Save a strided shard held as two runs per rank; load it into the same layout (read-once on:
     plans derived; off), into Shard(1), and into a plain tensor; async_save it too."""
-    import hyperdcp.exchange as X
+    import hyperdcp.loading.read_once as X  # where read_once looks build_schedule up
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 

@@ -7,11 +7,11 @@ and calls a flow: save -> ``saving.stage`` then ``saving.persist``; load -> ``lo
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 from . import _runtime
-from .coordination.base import Coordinator, LocalCoordinator
+from .coordination import default_coordinator
+from .coordination.base import Coordinator
 from .format.metadata import Metadata
 from .results import LoadResult
 from .loading import load as _load
@@ -33,22 +33,8 @@ def __getattr__(name: str) -> Any:
         return plan_cache()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-def coordinator_for(process_group: Any = None, timeout: float | None = None) -> Coordinator:
-    """torch.distributed when it is initialized (in the given group), else a single process."""
-    if sys.modules.get("torch") is not None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            from .coordination.torch_dist import TorchCoordinator
-
-            return TorchCoordinator(process_group, timeout)
-    if process_group is not None:
-        from .errors import CoordinationError
-
-        raise CoordinationError("a process_group was given but torch.distributed is not initialized; call "
-                                "torch.distributed.init_process_group() first, or drop process_group=")
-    return LocalCoordinator()
+#: the old name of :func:`hyperdcp.coordination.default_coordinator`
+coordinator_for = default_coordinator
 
 
 def save(state_dict: Any, path: str | os.PathLike, *, options: SaveOptions | None = None,

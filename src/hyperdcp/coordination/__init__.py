@@ -1,5 +1,39 @@
-"""Cross-rank coordination: byte-level collectives with error propagation. No pickle anywhere."""
+"""Cross-rank coordination: byte-level collectives with error propagation. No pickle anywhere.
 
-from .base import Coordinator, LocalCoordinator, run_checked
+- :mod:`.base`: the :class:`Coordinator` and :class:`Transport` interfaces;
+- :mod:`.checked`: the error-carrying steps (an error on one rank raises on every rank);
+- :mod:`.local`, :mod:`.torch_dist`, :mod:`.files`: the coordinators;
+- :mod:`.shm`: same-host shared-memory segments.
 
-__all__ = ["Coordinator", "LocalCoordinator", "run_checked"]
+:func:`default_coordinator` picks the coordinator a save or load runs on.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from ..errors import CoordinationError
+from .base import Coordinator, Transport
+from .checked import RaisedEverywhere, run_checked
+from .local import LocalCoordinator
+
+__all__ = ["Coordinator", "LocalCoordinator", "RaisedEverywhere", "Transport", "default_coordinator", "run_checked"]
+
+
+def default_coordinator(process_group: Any = None, timeout: float | None = None) -> Coordinator:
+    """torch.distributed when it is initialized (in the given group), else a single process.
+
+    torch is never imported here: it is used only when the program already imported it.
+    """
+    if sys.modules.get("torch") is not None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            from .torch_dist import TorchCoordinator
+
+            return TorchCoordinator(process_group, timeout)
+    if process_group is not None:
+        raise CoordinationError("a process_group was given but torch.distributed is not initialized; call "
+                                "torch.distributed.init_process_group() first, or drop process_group=")
+    return LocalCoordinator()

@@ -1,26 +1,43 @@
-"""The coordination protocol every save and load runs on.
+"""The coordination protocol every save and load runs on: :class:`Coordinator` and :class:`Transport`.
 
 A :class:`Coordinator` moves opaque byte strings between the ranks of one job: ``all_gather``,
-``gather``, ``scatter`` and ``broadcast``. Implementations: :class:`LocalCoordinator` (one process),
-``TorchCoordinator`` (a torch.distributed process group, gloo for CPU traffic), ``FileCoordinator``
-(a shared file system; used by the async persist processes).
+``gather``, ``scatter`` and ``broadcast``. Implementations: :class:`~hyperdcp.coordination.local.LocalCoordinator`
+(one process), :class:`~hyperdcp.coordination.torch_dist.TorchCoordinator` (a torch.distributed process
+group, gloo for CPU traffic), :class:`~hyperdcp.coordination.files.FileCoordinator` (a shared file
+system; used by the async persist processes).
 
-Errors: every phase of a save or load runs through :func:`run_checked`, which exchanges an ok/error
-status with every other rank, so an exception on one rank is raised on all of them (as
-:class:`RemoteRankError` naming the failing rank) instead of leaving them waiting.
+A coordinator that can also move byte buffers point to point implements :class:`Transport`; read-once
+loads use it when it does (``isinstance(coord, Transport)``), and read locally when it does not.
+
+Call order, every rank: ``arrive(what)`` once per save or load, then the same collectives in the same
+order. Errors: every phase runs through the checked steps of :mod:`hyperdcp.coordination.checked`, so
+an exception on one rank is raised on all of them instead of leaving them waiting.
 """
 
 from __future__ import annotations
 
-import traceback
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Protocol, Sequence, runtime_checkable
 
-from ..errors import RemoteRankError
+import numpy as np
 
-T = TypeVar("T")
-
-_OK, _ERR = b"\x00", b"\x01"
+# the checked steps lived here before coordination/checked.py: old import paths keep working
+from .checked import (  # noqa: F401
+    _everywhere,
+    _status,
+    RaisedEverywhere,
+    all_gather_checked,
+    broadcast_checked,
+    check_all,
+    encode_status,
+    gather_checked,
+    pack_status,
+    plan_and_scatter,
+    raise_remote,
+    raised_everywhere,
+    run_checked,
+    unpack_status,
+)
 
 
 class Coordinator(ABC):
@@ -61,130 +78,30 @@ class Coordinator(ABC):
         return f"rank {self.rank} of {self.world_size}"
 
 
-class LocalCoordinator(Coordinator):
-    """A single process: every collective is the identity."""
+@runtime_checkable
+class Transport(Protocol):
+    """What read-once needs beyond collectives: byte buffers point to point, and a broadcast inside a
+    group handle that an adapter put in :attr:`GridLayout.groups <hyperdcp.core.layout.GridLayout>`.
 
-    rank = 0
-    world_size = 1
-
-    def all_gather(self, data: bytes) -> list[bytes]:
-        return [bytes(data)]
-
-    def gather(self, data: bytes, dst: int = 0) -> list[bytes] | None:
-        return [bytes(data)]
-
-    def scatter(self, parts, src: int = 0) -> bytes:
-        return bytes(parts[0])
-
-    def broadcast(self, data, src: int = 0) -> bytes:
-        return bytes(data)
-
-
-def _status(exc: BaseException | None) -> bytes:
-    if exc is None:
-        return _OK
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    return _ERR + f"{type(exc).__module__}.{type(exc).__qualname__}\n{text}".encode("utf-8", "replace")
-
-
-def raise_remote(statuses: Sequence[bytes], coord: Coordinator, what: str, local: BaseException | None) -> None:
-    """Raise on every rank if any status is an error; re-raise the local exception where it happened."""
-    failed = {r: s[1:].decode("utf-8", "replace") for r, s in enumerate(statuses) if s[:1] == _ERR}
-    if not failed:
-        return
-    if local is not None:
-        raise _everywhere(local)
-    first = min(failed)
-    detail = failed[first].split("\n", 1)[-1]
-    ranks = ", ".join(str(r) for r in sorted(failed)[:16]) + (" ..." if len(failed) > 16 else "")
-    raise _everywhere(RemoteRankError(
-        f"{what} failed on rank(s) {ranks} of {coord.world_size}; first error (rank {first}): {detail}",
-        failed,
-    ))
-
-
-def _everywhere(exc: BaseException) -> BaseException:
-    """Mark an error that every rank raises at the same step: enclosing checks need not exchange it
-    again (a rank that already left could not answer, and the others would wait for it)."""
-    try:
-        exc._hyperdcp_everywhere = True  # type: ignore[attr-defined]
-    except AttributeError:
-        pass
-    return exc
-
-
-def raised_everywhere(exc: BaseException | None) -> bool:
-    return bool(getattr(exc, "_hyperdcp_everywhere", False))
-
-
-def check_all(coord: Coordinator, what: str, exc: BaseException | None) -> None:
-    """Every rank calls it with its own error (or None); if any rank had one, raise on every rank.
-
-    The common case costs one one-flag collective; the error texts are exchanged only after a failure.
+    Ranks (``peer``, ``src``) are the coordinator's own ranks. Buffers are contiguous uint8 numpy
+    arrays; a receive writes into its buffer in place. Call order per batch, on every rank: post every
+    ``irecv``, then every ``isend``, then the ``broadcast_in`` of the batch's broadcast units in the same
+    order on every member, then ``wait`` on all the handles. Failures raise CoordinationError.
     """
-    if raised_everywhere(exc):
-        raise exc
-    if coord.any_true(exc is not None):
-        raise_remote(coord.all_gather(_status(exc)), coord, what, exc)
+
+    def isend(self, buf: np.ndarray, peer: int, tag: int) -> Any: ...
+
+    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Any: ...
+
+    def broadcast_in(self, buf: np.ndarray, src: int, group: Any) -> Any:
+        """``group``: a handle from a layout's ``groups``, or None for all ranks of the coordinator."""
+
+    def wait(self, handles: Sequence[Any]) -> None: ...
 
 
-def run_checked(coord: Coordinator, what: str, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on every rank; if it raised anywhere, raise everywhere (after all ranks finished it)."""
-    result, exc = None, None
-    try:
-        result = fn()
-    except Exception as e:  # noqa: BLE001 - forwarded to every rank below
-        exc = e
-    check_all(coord, what, exc)
-    return result  # type: ignore[return-value]
+def __getattr__(name: str) -> Any:
+    if name == "LocalCoordinator":  # moved to coordination/local.py (which imports this module)
+        from .local import LocalCoordinator
 
-
-def pack_status(payload: bytes | None, exc: BaseException | None) -> bytes:
-    """An ok/error envelope for one-to-many messages (scatter, broadcast)."""
-    return _status(exc) if exc is not None else _OK + (payload or b"")
-
-
-def unpack_status(msg: bytes, coord: Coordinator, what: str, src: int) -> bytes:
-    if msg[:1] == _ERR:
-        text = msg[1:].decode("utf-8", "replace")
-        raise RemoteRankError(f"{what} failed on rank {src}: {text.split(chr(10), 1)[-1]}", {src: text})
-    return msg[1:]
-
-
-def all_gather_checked(coord: Coordinator, what: str, fn: Callable[[], bytes]) -> list[bytes]:
-    """Every rank computes ``fn()`` and receives everyone's result; an error anywhere raises everywhere."""
-    payload, exc = None, None
-    try:
-        payload = fn()
-    except Exception as e:  # noqa: BLE001 - forwarded to every rank
-        exc = e
-    if raised_everywhere(exc):
-        raise exc
-    msgs = coord.all_gather(pack_status(payload, exc))
-    raise_remote(msgs, coord, what, exc)
-    return [m[1:] for m in msgs]
-
-
-def broadcast_checked(coord: Coordinator, what: str, fn: Callable[[], bytes] | None, src: int = 0,
-                      local: BaseException | None = None) -> bytes:
-    """``src`` computes ``fn()`` and sends it to all; an error on ``src`` raises everywhere.
-
-    ``local`` is an error this rank already had: it is raised here (after the broadcast) in preference
-    to the remote one, so the failing rank reports its own exception.
-    """
-    msg, exc = None, None
-    if coord.rank == src:
-        try:
-            payload = fn() if fn is not None else b""
-            msg = pack_status(payload, None)
-        except Exception as e:  # noqa: BLE001
-            exc = e
-            msg = pack_status(None, e)
-    out = coord.broadcast(msg, src)
-    if exc is not None:
-        raise local if local is not None else exc
-    if out[:1] == _ERR:
-        if local is not None:
-            raise local
-        return unpack_status(out, coord, what, src)
-    return out[1:]
+        return LocalCoordinator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

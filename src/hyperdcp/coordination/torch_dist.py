@@ -1,8 +1,9 @@
-"""Coordinator over a torch.distributed process group.
+"""Coordinator over a torch.distributed process group; also a :class:`~hyperdcp.coordination.base.Transport`.
 
 Byte strings travel as uint8 CPU tensors through a gloo group: the caller's group when it already is
 gloo, otherwise a gloo twin of it created once (with ``use_local_synchronization`` so only its members
-take part) and reused for every later save and load.
+take part) and reused for every later save and load. Point-to-point buffers (read-once loads) travel
+through the same gloo group; broadcasts in a DeviceMesh's own groups use the handle the layout carries.
 """
 
 from __future__ import annotations
@@ -11,17 +12,39 @@ import os
 import re
 import socket
 import threading
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import _runtime
 from ..errors import CoordinationError
 from .base import Coordinator
 
-_GLOO_TWINS: dict[tuple[str, float | None], object] = {}
+
+@dataclass
+class GroupState:
+    """What this process learnt about one process group (kept in :mod:`hyperdcp._runtime`)."""
+
+    peers: list[tuple[str, int]] | None = None  # (hostname, pid) per member, learnt at its first save/load
+    arrivals: int = 0  # arrivals so far (the ranks that arrive agree on it; keys the store entry naming the missing)
+
+
+def _gloo_twins() -> dict[tuple[str, float | None], object]:
+    """The gloo twin of each (non-gloo or timed) group, created once per process."""
+    return _runtime.slot("coordination.torch_dist.gloo_twins", dict)
+
+
+def group_state(pg) -> GroupState:
+    """The :class:`GroupState` of process group ``pg``."""
+    states: dict[int, GroupState] = _runtime.slot("coordination.torch_dist.groups", dict)
+    st = states.get(id(pg))
+    if st is None:
+        st = states.setdefault(id(pg), GroupState())
+    return st
 
 
 def _backend(pg) -> str:
@@ -37,13 +60,14 @@ def gloo_group(pg=None, timeout: float | None = None):
     if timeout is None and _backend(pg) == "gloo":
         return pg
     key = (dist.get_process_group_ranks(pg).__repr__() + getattr(pg, "group_name", ""), timeout)
-    twin = _GLOO_TWINS.get(key)
+    twins = _gloo_twins()
+    twin = twins.get(key)
     if twin is None:
         kwargs = {"backend": "gloo", "use_local_synchronization": True}
         if timeout is not None:
             kwargs["timeout"] = timedelta(seconds=timeout)
         twin = dist.new_group(ranks=dist.get_process_group_ranks(pg), **kwargs)
-        _GLOO_TWINS[key] = twin
+        twins[key] = twin
     return twin
 
 
@@ -57,13 +81,8 @@ def _t(data: bytes, size: int | None = None) -> torch.Tensor:
     return torch.from_numpy(buf)
 
 
-#: (hostname, pid) of every member of a gloo group, learnt at its first save/load (to name dead ranks)
-_PEERS: dict[int, list[tuple[str, int]]] = {}
 _RANKS_RE = re.compile(r"Ranks? ([0-9][0-9, ]*) failed to pass monitoredBarrier")
 
-
-#: arrivals so far per group (the ranks that arrive agree on it; keys the store entry naming the missing)
-_ARRIVALS: dict[int, int] = {}
 
 
 def _store():
@@ -94,6 +113,8 @@ def _store_get(key: str, wait_s: float = 3.0) -> str | None:
 
 
 class TorchCoordinator(Coordinator):
+    """Collectives (and Transport) over ``pg`` (default: the world), through its gloo twin."""
+
     def __init__(self, pg=None, timeout: float | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized")
@@ -117,7 +138,7 @@ class TorchCoordinator(Coordinator):
     # -- failures -------------------------------------------------------------------------------
     def _dead_ranks(self) -> list[int]:
         """Group ranks on this host whose process is gone (best effort; remote hosts are not probed)."""
-        peers = _PEERS.get(id(self._base)) or []
+        peers = group_state(self._base).peers or []
         me = socket.gethostname()
         dead = []
         for r, (host, pid) in enumerate(peers):
@@ -185,7 +206,7 @@ class TorchCoordinator(Coordinator):
         except (RuntimeError, OSError, TimeoutError) as e:
             m = _RANKS_RE.search(str(e))
             missing = sorted({int(x) for x in re.findall(r"[0-9]+", m.group(1))}) if m else []
-            key = f"hyperdcp/arrive/{self._global[0]}/{_ARRIVALS.get(id(self._base), 0)}"
+            key = f"hyperdcp/arrive/{self._global[0]}/{group_state(self._base).arrivals}"
             if self.rank == 0 and missing:
                 _store_set(key, ",".join(map(str, missing)))
             elif self.rank != 0 and "successfully reached monitoredBarrier" in str(e):
@@ -202,10 +223,11 @@ class TorchCoordinator(Coordinator):
                 f"{self.rank}); every rank must call it. Check that those ranks are alive and reach this call, "
                 "or raise timeout="
             ) from e
-        _ARRIVALS[id(self._base)] = _ARRIVALS.get(id(self._base), 0) + 1
-        if id(self._base) not in _PEERS:
+        state = group_state(self._base)
+        state.arrivals += 1
+        if state.peers is None:
             me = f"{socket.gethostname()}\n{os.getpid()}".encode()
-            _PEERS[id(self._base)] = [
+            state.peers = [
                 (h, int(p)) for h, p in (b.decode().split("\n") for b in self.all_gather(me))
             ]
 
@@ -285,3 +307,22 @@ class TorchCoordinator(Coordinator):
         rest = _t(data[cap - 8 :]) if me else torch.empty(n - (cap - 8), dtype=torch.uint8)
         self._call(dist.broadcast, rest, src=self._global[src], group=self.group)
         return raw[8:].tobytes() + rest.numpy().tobytes()
+
+    # -- Transport (read-once loads) --------------------------------------------------------------
+    def isend(self, buf: np.ndarray, peer: int, tag: int) -> Any:
+        """Send ``buf`` to group rank ``peer`` (non-blocking)."""
+        return self._call(dist.isend, torch.from_numpy(buf), dst=self._global[peer], group=self.group, tag=tag)
+
+    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Any:
+        """Receive into ``buf`` from group rank ``peer`` (non-blocking)."""
+        return self._call(dist.irecv, torch.from_numpy(buf), src=self._global[peer], group=self.group, tag=tag)
+
+    def broadcast_in(self, buf: np.ndarray, src: int, group: Any) -> Any:
+        """Broadcast ``buf`` from group rank ``src`` inside ``group`` (a DeviceMesh dim group; None: all ranks)."""
+        group = self.group if group is None else group
+        return self._call(dist.broadcast, torch.from_numpy(buf), src=self._global[src], group=group, async_op=True)
+
+    def wait(self, handles: Sequence[Any]) -> None:
+        """Wait for every handle of :meth:`isend`, :meth:`irecv` and :meth:`broadcast_in`."""
+        for h in handles:
+            self._call(h.wait)
