@@ -232,8 +232,9 @@ def _rank(rank, world, args, root):
 
 def floors(ckpt: str, dest_bytes: list[int], threads_per_rank: int = 4, piece: int = 8 << 20) -> tuple[float, float]:
     """(seconds to read the checkpoint's data files cold in parallel, seconds to fill fresh destinations)."""
-    import numpy as np
     from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
 
     files = [os.path.join(ckpt, n) for n in sorted(os.listdir(ckpt)) if n.endswith(".safetensors")]
     jobs = [(f, off, min(piece, os.path.getsize(f) - off)) for f in files for off in range(0, os.path.getsize(f), piece)]

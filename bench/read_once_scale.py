@@ -22,10 +22,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from hyperdcp.planning import read_once as exchange  # noqa: E402
 from hyperdcp.core.layout import REPLICATE, GridLayout  # noqa: E402
 from hyperdcp.core.shards import ShardedTensor  # noqa: E402
 from hyperdcp.format.metadata import ChunkTable, FileMeta, Metadata, TensorMeta  # noqa: E402
+from hyperdcp.planning import read_once as exchange  # noqa: E402
 
 
 def main() -> None:

@@ -8,10 +8,10 @@ and fails, so a hang can never block the suite.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import tempfile
 import traceback
-import multiprocessing as mp
 
 import pytest
 

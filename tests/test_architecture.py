@@ -54,19 +54,9 @@ UNPLACED = {
 
 #: arrows that break the rule today, each to be removed by the step of ARCHITECTURE.md named with it
 KNOWN = {
-    # DEFAULT_BLOCK_BYTES moves into options (format imports it from there)
-    ("hyperdcp.options", "hyperdcp.format.metadata"),
-    # coordinator_for -> coordination.default_coordinator (then api stops importing torch too)
-    ("hyperdcp.async_saving", "hyperdcp.api"),
-    ("hyperdcp.api", "torch"),
     # the persist processes' TCPStore and gloo group belong in coordination.torch_dist
     ("hyperdcp.async_saving.child", "torch"),
     ("hyperdcp.async_saving.session", "torch"),
-    # planning -> core.wire and format.checksums
-    ("hyperdcp.planning.save_plan", "hyperdcp.coordination"),
-    ("hyperdcp.planning.load_plan", "hyperdcp.storage.checksum"),
-    # read-once's torch calls go behind coordination's Transport
-    ("hyperdcp.exchange", "torch"),
 }
 
 

@@ -28,8 +28,9 @@ def _clobber(state) -> None:
 
 
 def _round_trip(rank, world, root, mode):
-    import hyperdcp
     from torch.distributed.device_mesh import init_device_mesh
+
+    import hyperdcp
 
     mesh = init_device_mesh("cpu", (2, 2))
     state = _hsdp(mesh)

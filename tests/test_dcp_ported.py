@@ -18,9 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.dist import run_ranks  # noqa: E402
-
 import hyperdcp  # noqa: E402
+from tests.dist import run_ranks  # noqa: E402
 
 
 def _p(name: str):

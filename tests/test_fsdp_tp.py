@@ -15,9 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.dist import run_ranks  # noqa: E402
-
 import hyperdcp  # noqa: E402
+from tests.dist import run_ranks  # noqa: E402
 
 
 class Net(torch.nn.Module):
@@ -96,8 +95,9 @@ def _save(kind, path, group=None, mesh=None):
 def _load(kind, path, ref, group=None, mesh=None) -> list[bool]:
     """Load ``path`` into fresh models of ``kind``, read-once on and off, compare bit for bit with
     ``ref``; per load whether read-once derived the plans from the layouts."""
-    import hyperdcp.loading.read_once as X  # where read_once looks build_schedule up
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import hyperdcp.loading.read_once as X  # where read_once looks build_schedule up
 
     seen = []
     real = X.build_schedule

@@ -11,14 +11,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import struct
 import threading
 
 import numpy as np
 import pytest
 
 import hyperdcp
-from hyperdcp.format.metadata import Metadata
 from hyperdcp.storage.data_file import read_header
 from tests.dist import run_ranks
 from tests.faults.fuzz_campaign import sign

@@ -13,10 +13,9 @@ from hyperdcp.core.layout import REPLICATE, GridLayout
 
 torch = pytest.importorskip("torch")
 
+import hyperdcp  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 from tests.layouts import GLOBAL, full, make_state  # noqa: E402
-
-import hyperdcp  # noqa: E402
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2), (3, 2), (2, 3, 2)])
@@ -65,9 +64,10 @@ def _save(rank, world, path):
 
 def _load_with(rank, world, path):
     """Three loads, recording whether plans were derived and how many exchanges the plan step took."""
-    import hyperdcp.loading.read_once as X  # where read_once looks build_schedule up
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
+
+    import hyperdcp.loading.read_once as X  # where read_once looks build_schedule up
 
     seen = []
     real = X.build_schedule

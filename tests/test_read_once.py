@@ -12,10 +12,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import hyperdcp  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 from tests.layouts import GLOBAL, REPLICATED, check_state, full, make_state  # noqa: E402
-
-import hyperdcp  # noqa: E402
 
 
 def _hsdp(name, nd):
@@ -262,8 +261,9 @@ def test_planning_error_on_one_rank_fails_every_rank(ckpt):
 
 def _replicas_across_hosts(rank, world, path):
     """Replicas of each shard on two pretend hosts: their chunks go by broadcast in the mesh's dim-0 group."""
-    import hyperdcp.loading.read_once as ex  # where read_once looks mark_broadcasts up
     from torch.distributed.device_mesh import init_device_mesh
+
+    import hyperdcp.loading.read_once as ex  # where read_once looks mark_broadcasts up
 
     os.environ["HYPERDCP_HOST"] = f"h{rank // 2}"  # mesh [[0, 1], [2, 3]]: replicas {0, 2} and {1, 3} apart
     seen = []
@@ -296,8 +296,9 @@ def test_replicas_on_other_hosts_go_by_broadcast_in_mesh_groups(ckpt):
 def _fails_after_plan_exchange_on_rank_2(rank, world, path):
     import time
 
-    import hyperdcp.exchange as ex
     from torch.distributed.device_mesh import init_device_mesh
+
+    import hyperdcp.exchange as ex
 
     if rank == 2:  # a local failure between the plan exchange and the first batch
         def broken(*a, **k):

@@ -21,11 +21,10 @@ import pytest
 torch = pytest.importorskip("torch")
 fsspec = pytest.importorskip("fsspec")
 
+import hyperdcp  # noqa: E402
+from hyperdcp.sources.remote import RemoteFiles, is_remote, local_path  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 from tests.layouts import GLOBAL, REPLICATED, VALUES, check_state, full, make_state  # noqa: E402
-
-import hyperdcp  # noqa: E402
-from hyperdcp.storage.remote import RemoteFiles, is_remote, local_path  # noqa: E402
 
 try:
     import aiohttp

@@ -11,10 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import hyperdcp  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 from tests.layouts import check_state, make_state  # noqa: E402
-
-import hyperdcp  # noqa: E402
 
 
 def _save_hsdp(rank, world, path, read_once):

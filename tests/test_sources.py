@@ -289,10 +289,10 @@ def test_inspect_verify_and_diff_commands(make, kind, capsys):
 # -- old import paths ------------------------------------------------------------------------------
 def test_old_paths_name_the_new_ones():
     from hyperdcp import hf, verify
+    from hyperdcp.loading import DataFiles
     from hyperdcp.sources import ChunkReader
-    from hyperdcp.storage import reader
 
-    assert verify.verify_checkpoint is hyperdcp.verify_checkpoint and reader.DataFiles is ChunkReader
+    assert verify.verify_checkpoint is hyperdcp.verify_checkpoint and DataFiles is ChunkReader
     assert hf.hf_to_hyperdcp is hyperdcp.tools.convert.hf_to_hyperdcp
     with pytest.raises(AttributeError, match="HuggingFaceSource"):
         hf.HFMetadata  # noqa: B018

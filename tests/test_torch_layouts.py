@@ -20,10 +20,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import hyperdcp  # noqa: E402
 from hyperdcp.core.layout import REPLICATE, GridLayout, dim_runs  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
-
-import hyperdcp  # noqa: E402
 
 G = torch.arange(14 * 3, dtype=torch.float32).reshape(14, 3) * 1.5  # the global tensor of the scenarios
 
@@ -48,9 +47,10 @@ def _strided(mesh, g=G, sf=2):
 def scenario_strided_several_boxes(rank, world, tmp):
     """Save a strided shard held as two runs per rank; load it into the same layout (read-once on:
     plans derived; off), into Shard(1), and into a plain tensor; async_save it too."""
-    import hyperdcp.loading.read_once as X  # where read_once looks build_schedule up
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
+
+    import hyperdcp.loading.read_once as X  # where read_once looks build_schedule up
 
     mesh = init_device_mesh("cpu", (world,))
     path = os.path.join(tmp, "strided")

@@ -10,9 +10,9 @@ from .api import load, read_metadata, save
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors
 from .format.metadata import Metadata
-from .results import ConvertResult, LoadResult, VerifyReport
 from .manager import latest_checkpoint, list_checkpoints
 from .options import AsyncSaveOptions, LoadOptions, SaveOptions
+from .results import ConvertResult, LoadResult, VerifyReport
 from .saving import SaveResult
 from .sources import open_source
 from .tools.verify import verify_checkpoint

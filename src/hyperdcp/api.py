@@ -13,13 +13,13 @@ from . import _runtime
 from .coordination import default_coordinator
 from .coordination.base import Coordinator
 from .format.metadata import Metadata
-from .results import LoadResult
 from .loading import load as _load
 from .options import LoadOptions, SaveOptions, resolve
 from .planning.save_plan import PlanCache
+from .results import LoadResult
 from .saving import SaveResult, persist, stage
 from .sources import open_source
-from .storage.remote import local_save_path
+from .storage.urls import local_save_path
 
 
 def plan_cache() -> PlanCache:

@@ -5,8 +5,8 @@ The names tests and benches used are re-exported here. To replace a function the
 test), set it on :mod:`hyperdcp.loading.read_once`, where it is looked up.
 """
 
-from .coordination.shm import _LIVE, SHM_DIR as _SHM_DIR, Segment as _Segment, host_key, shm_enabled  # noqa: F401
-from .loading.read_once import _Exchange, _Msg, _messages, read_once  # noqa: F401
+from .coordination.shm import _LIVE, host_key, shm_enabled  # noqa: F401
+from .loading.read_once import _Exchange, _messages, _Msg, read_once  # noqa: F401
 from .planning.read_once import (  # noqa: F401
     Need,
     Schedule,

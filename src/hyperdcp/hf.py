@@ -17,7 +17,15 @@ import os
 from .format.metadata import Metadata
 from .results import ConvertResult
 from .sources.base import open_source, rename_keys
-from .sources.huggingface import INDEX_FILE, INDEX_SUFFIX, MAX_INDEX_BYTES, SINGLE_FILE, hf_files, is_hf_source, read_source
+from .sources.huggingface import (
+    INDEX_FILE,
+    INDEX_SUFFIX,
+    MAX_INDEX_BYTES,
+    SINGLE_FILE,
+    hf_files,
+    is_hf_source,
+    read_source,
+)
 from .tools._units import FLOAT_CODES, ByteBudget, Progress, parse_dtype, parse_size
 from .tools.convert import dcp_to_hf, hf_to_dcp, hf_to_hyperdcp, hyperdcp_to_hf, plan_shards, select_keys
 from .tools.reads import read_box

@@ -35,6 +35,7 @@ import tempfile
 import time
 
 import numpy as np
+
 from tests.faults.report import finish
 
 NTENSORS = 6
@@ -79,7 +80,6 @@ def expected(step: int, world: int) -> dict:
 
 
 def worker(rank: int, world: int, root: str, step: int, mode: str, coordination: str = "gloo", timeout: float = TIMEOUT):
-    import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 

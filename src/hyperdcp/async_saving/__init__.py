@@ -68,8 +68,8 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, options: SaveOptions
     aopts = resolve(AsyncSaveOptions, async_options, given)
     if aopts.coordination not in MODES:
         raise ValueError(f"coordination must be one of {MODES}, got {aopts.coordination!r}")
-    from ..api import coordinator_for
-    from ..storage.remote import local_save_path
+    from ..coordination import default_coordinator as coordinator_for
+    from ..storage.urls import local_save_path
 
     path = local_save_path(path)  # remote URLs: UnsupportedStorageError (save locally and upload)
     opts = resolve(SaveOptions, options, overrides)

@@ -21,7 +21,6 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from ..tools.verify import verify_checkpoint
-
     from ._text import safe
 
     rep = verify_checkpoint(args.path, threads=max(1, args.threads))

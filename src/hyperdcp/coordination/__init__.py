@@ -27,11 +27,9 @@ def default_coordinator(process_group: Any = None, timeout: float | None = None)
     torch is never imported here: it is used only when the program already imported it.
     """
     if sys.modules.get("torch") is not None:
-        import torch.distributed as dist
+        from .torch_dist import TorchCoordinator, torch_distributed_initialized
 
-        if dist.is_available() and dist.is_initialized():
-            from .torch_dist import TorchCoordinator
-
+        if torch_distributed_initialized():
             return TorchCoordinator(process_group, timeout)
     if process_group is not None:
         raise CoordinationError("a process_group was given but torch.distributed is not initialized; call "

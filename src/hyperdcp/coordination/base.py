@@ -23,9 +23,9 @@ import numpy as np
 
 # the checked steps lived here before coordination/checked.py: old import paths keep working
 from .checked import (  # noqa: F401
+    RaisedEverywhere,
     _everywhere,
     _status,
-    RaisedEverywhere,
     all_gather_checked,
     broadcast_checked,
     check_all,

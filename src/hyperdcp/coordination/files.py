@@ -13,8 +13,8 @@ import os
 import time
 from typing import Sequence
 
-from .base import Coordinator
 from ..errors import CoordinationError
+from .base import Coordinator
 
 
 class FileCoordinator(Coordinator):

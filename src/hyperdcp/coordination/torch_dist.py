@@ -112,6 +112,11 @@ def _store_get(key: str, wait_s: float = 3.0) -> str | None:
         return None
 
 
+
+def torch_distributed_initialized() -> bool:
+    """Whether the program has initialized torch.distributed (the default process group exists)."""
+    return dist.is_available() and dist.is_initialized()
+
 class TorchCoordinator(Coordinator):
     """Collectives (and Transport) over ``pg`` (default: the world), through its gloo twin."""
 

@@ -9,7 +9,6 @@ and 16,384 ranks.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import Sequence
 

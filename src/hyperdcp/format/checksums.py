@@ -10,7 +10,6 @@ from __future__ import annotations
 import xxhash
 
 
-
 def n_blocks(nbytes: int, block_bytes: int) -> int:
     """Number of checksum blocks covering ``nbytes`` (an empty chunk still has one, of b"")."""
     return max(1, -(-nbytes // block_bytes))

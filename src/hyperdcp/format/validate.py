@@ -21,8 +21,22 @@ from ..core.boxes import check_exact_cover, grid_tiles
 from ..errors import CheckpointError, FormatError, UnsupportedVersionError
 from . import values as values_codec
 from .checksums import n_blocks
-from .metadata import (CHECKSUM_ALGORITHM, FILE_NAME_RE, FORMAT_NAME, FORMAT_VERSION, MAX_DIMS, MAX_NUMEL,
-                       MAX_TENSOR_BYTES, METADATA_FILE, _TRAILER_RE, _ZERO, ChunkTable, FileMeta, Metadata, TensorMeta)
+from .metadata import (
+    _TRAILER_RE,
+    _ZERO,
+    CHECKSUM_ALGORITHM,
+    FILE_NAME_RE,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MAX_DIMS,
+    MAX_NUMEL,
+    MAX_TENSOR_BYTES,
+    METADATA_FILE,
+    ChunkTable,
+    FileMeta,
+    Metadata,
+    TensorMeta,
+)
 
 
 def parse(raw: bytes, where: str) -> Metadata:

@@ -8,6 +8,7 @@
 The names ``hyperdcp.loading`` exported as one module stay importable from here.
 """
 
+from ..sources.base import ChunkReader as DataFiles  # noqa: E402 - the name tests and tools used before the split
 from .flow import LoadResult, fetch_metadata, fetch_metadata_checked, load
 from .reads import (
     STAGING_BYTES,
@@ -21,7 +22,6 @@ from .reads import (
     read_chunk,
 )
 from .targets import _ABSENT, _DROP, LoadTargets, _per_rank_view, plan_targets, saved_rank
-from ..sources.base import ChunkReader as DataFiles  # noqa: E402 - the name tests and tools used before the split
 
 __all__ = [
     "STAGING_BYTES",

@@ -27,7 +27,16 @@ import numpy as np
 
 from ..coordination.base import Coordinator, Transport
 from ..coordination.checked import check_all, encode_status, raise_remote
-from ..coordination.shm import SEGMENT_RE, SHM_DIR, Segment, free_bytes, host_key, shm_enabled, sigterm_cleanup, unlink_live
+from ..coordination.shm import (
+    SEGMENT_RE,
+    SHM_DIR,
+    Segment,
+    free_bytes,
+    host_key,
+    shm_enabled,
+    sigterm_cleanup,
+    unlink_live,
+)
 from ..core import dtypes, wire
 from ..core.shards import ShardedTensor
 from ..errors import CheckpointError, CoordinationError, MismatchError
@@ -51,7 +60,6 @@ from ..planning.read_once import (
 )
 from ..sources.base import ChunkReader as DataFiles
 from .reads import copy_piece, execute_local_reads, read_chunk
-
 
 # -- plan headers ---------------------------------------------------------------------------------
 

@@ -32,8 +32,8 @@ from ..planning.load_plan import (
     pieces_for,
     src_view,
 )
-from ..storage.checksum import block_range, verify_blocks
 from ..sources.base import ChunkReader as DataFiles
+from ..storage.checksum import block_range, verify_blocks
 from ..storage.threads import run_all
 
 

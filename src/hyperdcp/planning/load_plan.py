@@ -16,8 +16,8 @@ from ..core import dtypes
 from ..core.boxes import Box, BoxIndex
 from ..core.shards import LocalShard, ShardedTensor
 from ..errors import MismatchError
-from ..format.metadata import Metadata, TensorMeta
 from ..format.checksums import block_range
+from ..format.metadata import Metadata, TensorMeta
 
 
 @dataclass

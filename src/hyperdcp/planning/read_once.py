@@ -61,8 +61,8 @@ from ..core.boxes import Box
 from ..core.layout import mesh_lines
 from ..core.shards import ShardedTensor
 from ..errors import MismatchError
+from ..format.checksums import block_range
 from ..format.metadata import Metadata
-from ..storage.checksum import block_range
 from .load_plan import Piece, TensorIndex, byte_span
 
 _PLAN_VERSION = 1

@@ -174,7 +174,7 @@ class GlobalPlan:
 
     def to_bytes(self) -> bytes:
         """A wire message (JSON + integer arrays, no pickle); see :meth:`from_bytes`."""
-        from ..coordination import wire
+        from ..core import wire
         counts = np.array([len(a) for a in self.assignments], dtype=np.int64)
         flat = np.concatenate(self.assignments).astype(np.int64) if self.assignments else np.zeros(0, np.int64)
         return wire.pack(
@@ -186,7 +186,7 @@ class GlobalPlan:
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> "GlobalPlan":
-        from ..coordination import wire
+        from ..core import wire
 
         head, arr = wire.unpack(raw)
         starts = np.concatenate([[0], np.cumsum(arr["a_counts"])])
@@ -502,7 +502,7 @@ class PerRank:
         return bool(self.values or self.tensors)
 
     def to_bytes(self) -> bytes:
-        from ..coordination import wire
+        from ..core import wire
 
         names = sorted(self.tensors)
         counts = np.array([len(self.tensors[k]) for k in names], np.int64)
@@ -511,7 +511,7 @@ class PerRank:
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> "PerRank":
-        from ..coordination import wire
+        from ..core import wire
 
         head, arr = wire.unpack(raw)
         starts = np.concatenate([[0], np.cumsum(arr["counts"])]).astype(np.int64)

@@ -24,7 +24,14 @@ import numpy as np
 import xxhash
 
 from ..coordination import wire  # core/wire.py once it exists (P3)
-from ..coordination.base import Coordinator, _everywhere, all_gather_checked, broadcast_checked, pack_status, unpack_status
+from ..coordination.base import (
+    Coordinator,
+    _everywhere,
+    all_gather_checked,
+    broadcast_checked,
+    pack_status,
+    unpack_status,
+)
 from ..format import values as values_codec
 from ..format.metadata import ChunkTable, FileMeta, Metadata, TensorMeta
 from ..format.safetensors import save_token

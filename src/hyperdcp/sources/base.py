@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-
 from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import Callable, ClassVar
@@ -235,7 +234,8 @@ class Source(ABC):
 
     def reader(self) -> ChunkReader:
         """A reader of this source's data files (remote URLs read through fsspec)."""
-        from ..storage.remote import is_remote, open_files
+        from ..storage.urls import is_remote
+        from .remote import open_files
 
         if is_remote(self.root):
             return open_files(self.root, self.metadata)

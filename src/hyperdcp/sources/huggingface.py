@@ -25,8 +25,8 @@ import numpy as np
 from ..errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError
 from ..format.metadata import METADATA_FILE, ChunkTable, FileMeta, Metadata, TensorMeta
 from ..storage.data_file import read_header
-from ..storage.remote import is_remote
 from ..storage.safe_open import open_regular, pread_exact
+from ..storage.urls import is_remote
 from .base import ChunkReader, Source
 
 INDEX_SUFFIX = ".safetensors.index.json"

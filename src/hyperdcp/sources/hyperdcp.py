@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 
 from ..format.metadata import METADATA_FILE, Metadata
-from ..storage.remote import is_remote, local_path, read_remote_metadata_bytes, url_join
+from ..format.rank_files import is_rank_file
+from ..storage.urls import is_remote, local_path, url_join
 from .base import Source
+from .remote import read_remote_metadata_bytes
 
 
 class HyperdcpSource(Source):
@@ -38,9 +40,7 @@ class HyperdcpSource(Source):
         p = local_path(path)
         if os.path.lexists(os.path.join(p, METADATA_FILE)):
             return None
-        from ..async_save.rank_files import has_rank_files  # TODO(lead): format.rank_files after P1's move
-
-        if os.path.isdir(p) and has_rank_files(p):
+        if os.path.isdir(p) and _has_rank_files(p):
             return None
         if not os.path.lexists(p):
             return "the path does not exist"
@@ -63,3 +63,11 @@ class HyperdcpSource(Source):
     def from_payload(cls, raw: bytes) -> "HyperdcpSource":
         root, _, record = raw.partition(b"\0")
         return cls(root.decode("utf-8", "surrogateescape"), record)
+
+
+def _has_rank_files(path: str) -> bool:
+    """Whether the directory ``path`` holds any rank metadata file (an unmerged no-collectives save)."""
+    try:
+        return any(is_rank_file(e) for e in os.listdir(path))
+    except OSError:
+        return False

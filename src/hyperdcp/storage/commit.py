@@ -15,8 +15,17 @@ from ..errors import CheckpointError, CheckpointNotFoundError, FormatError, Inco
 from ..format import rank_files
 from ..format.metadata import METADATA_FILE, Metadata, max_metadata_bytes
 from .local import LocalStorage
-from .local_commit import (NO_EXCHANGE_ENV, SaveTarget, _rename_swap, _rmtree, fsync_dir, interrupted_saves,
-                           recover_interrupted_overwrite, recover_under, torch_dcp_message)
+from .local_commit import (
+    NO_EXCHANGE_ENV,
+    SaveTarget,
+    _rename_swap,
+    _rmtree,
+    fsync_dir,
+    interrupted_saves,
+    recover_interrupted_overwrite,
+    recover_under,
+    torch_dcp_message,
+)
 from .safe_open import read_regular
 
 

@@ -24,8 +24,8 @@ from ..errors import CheckpointError, FormatError
 from ..format.metadata import METADATA_FILE, Metadata
 from ..results import BadChunk, VerifyReport
 from ..sources.base import ChunkReader, open_source
-from ..storage.remote import is_remote, url_join
 from ..storage.threads import run_all
+from ..storage.urls import is_remote, url_join
 
 #: bytes read per pread while verifying (whole checksum blocks are assembled from these)
 _READ_BYTES = 8 << 20

@@ -9,7 +9,7 @@ protocol fsspec knows). The commit record and the data files are joined to the r
 metadata's file names are validated plain names, so every read stays inside the checkpoint.
 
 * :func:`is_remote`: a URL whose protocol is not ``file``/``local`` (those, like plain paths, are
-  read from the local file system with :class:`~hyperdcp.storage.reader.DataFiles`);
+  read from the local file system with :class:`~hyperdcp.sources.base.ChunkReader`);
 * :func:`read_remote_metadata_bytes` / :func:`load_remote_metadata`: the commit record from a URL;
 * :class:`RemoteFiles`: ranged, verified reads of the data files with the interface of ``DataFiles``;
 * :func:`open_files`: ``DataFiles`` or ``RemoteFiles`` for a root;
@@ -37,9 +37,9 @@ from ..errors import (
     StorageError,
 )
 from ..format.metadata import METADATA_FILE, Metadata
-from .fsspec import MAX_REQUEST_BYTES, _missing, _storage_error, filesystem
-from .reader import DataFiles
-from .urls import LOCAL_PROTOCOLS, is_remote, local_path, local_save_path, url_join
+from ..storage.fsspec import MAX_REQUEST_BYTES, _missing, _storage_error, filesystem
+from ..storage.urls import LOCAL_PROTOCOLS, is_remote, local_path, local_save_path, url_join
+from .base import ChunkReader as DataFiles
 
 #: a commit record larger than this is refused before it is downloaded (a wrong URL, not a checkpoint)
 MAX_METADATA_BYTES = 2 << 30
