@@ -333,3 +333,14 @@ def test_async_save_of_legacy_sharded_tensor_and_shards_wrapper(results):
 def test_partial_placement_is_refused_naming_the_tensor(results):
     for msg in _outcome(results, "scenario_partial_refused"):
         assert msg and "'grad'" in msg and "Replicate()" in msg, msg
+
+
+def test_a_missing_meta_destination_stays_on_meta_instead_of_uninitialized_memory(tmp_path):
+    """With strict=False a key the checkpoint lacks is reported missing and its meta tensor is left as it is."""
+    path = str(tmp_path / "ckpt")
+    hyperdcp.save({"w": torch.arange(4.0)}, path)
+    state = {"w": torch.empty(4, device="meta"), "absent": torch.empty(3, device="meta")}
+    res = hyperdcp.load(state, path, strict=False)
+    assert res.missing_keys == ["absent"]
+    assert state["absent"].device.type == "meta"
+    assert torch.equal(state["w"], torch.arange(4.0))

@@ -12,7 +12,7 @@ rank's dict order, as they may run collectives. Names join keys with ``"."``:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Collection, Iterable, Iterator
 
 from ..errors import StateDictError
 from ..format import values as values_codec
@@ -127,11 +127,14 @@ def leaves_for_load(state: Any) -> tuple[list[LoadLeaf], Callable[[], None]]:
     (``load_state_dict`` may run collectives).
 
     A tensor on the meta device (torch) is loaded into a new CPU tensor of its shape and dtype (a
-    DTensor keeps its mesh and placements), which ``finish()`` puts in its place, as torch DCP does.
+    DTensor keeps its mesh and placements), which ``finish()`` puts in its place, as torch DCP does;
+    ``finish(skip)`` leaves the meta tensors of the keys in ``skip`` (the missing ones) where they are,
+    so that no uninitialized memory ever takes their place.
     """
     leaves: list[LoadLeaf] = []
     post: list[tuple[tuple, int, Callable[[], None]]] = []
     seen: set[str] = set()
+    materialized: dict[int, str] = {}  # index in post -> fqn of a meta tensor replaced by a real one
 
     def later(path: tuple[str, ...], action: Callable[[], None]) -> None:
         post.append((_post_key(path), len(post), action))
@@ -144,6 +147,7 @@ def leaves_for_load(state: Any) -> tuple[list[LoadLeaf], Callable[[], None]]:
             seen.add(fqn)
             real = _materialize(fqn, v) if kind == TENSOR else None
             if real is not None:
+                materialized[len(post)] = fqn
                 later(path, lambda: setter(real))
                 v = real
             leaves.append(LoadLeaf(fqn, kind, v, setter))
@@ -172,8 +176,9 @@ def leaves_for_load(state: Any) -> tuple[list[LoadLeaf], Callable[[], None]]:
     walk(state, "", (), lambda x: None)
     post.sort(key=lambda e: (e[0], e[1]))
 
-    def finish() -> None:
-        for _, _, action in post:
-            action()
+    def finish(skip: Collection[str] = ()) -> None:
+        for _, i, action in post:
+            if materialized.get(i) not in skip:
+                action()
 
     return leaves, finish

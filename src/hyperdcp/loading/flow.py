@@ -116,7 +116,7 @@ def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> L
             # values are set only once every tensor arrived, so a failed load leaves them untouched
             for leaf, value in targets.values:
                 leaf.set(value)
-            finish()
+            finish(set(targets.missing))  # a missing key's meta tensor stays on meta, never uninitialized memory
 
         run_checked(coord, f"loading {path!r}", do_reads)
     finally:
