@@ -6,6 +6,8 @@ test), set it on :mod:`hyperdcp.loading.read_once`, where it is looked up.
 """
 
 from .coordination.shm import _LIVE, host_key, shm_enabled  # noqa: F401
+from .coordination.shm import SHM_DIR as _SHM_DIR  # noqa: F401
+from .coordination.shm import Segment as _Segment  # noqa: F401
 from .loading.read_once import _Exchange, _messages, _Msg, read_once  # noqa: F401
 from .planning.read_once import (  # noqa: F401
     Need,
