@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 from .format.metadata import Metadata
+from .loading.reads import read_box
 from .results import ConvertResult
 from .sources.base import open_source, rename_keys
 from .sources.huggingface import (
@@ -28,7 +29,6 @@ from .sources.huggingface import (
 )
 from .tools._units import FLOAT_CODES, ByteBudget, Progress, parse_dtype, parse_size
 from .tools.convert import dcp_to_hf, hf_to_dcp, hf_to_hyperdcp, hyperdcp_to_hf, plan_shards, select_keys
-from .tools.reads import read_box
 
 _GONE = {
     "HFMetadata": "a HuggingFace source is now hyperdcp.sources.huggingface.HuggingFaceSource (its .metadata is a "

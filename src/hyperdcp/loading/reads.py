@@ -167,14 +167,14 @@ def execute_local_reads(files: DataFiles, meta: Metadata, reads: list[ChunkRead]
 
 def read_box(files: DataFiles, meta: Metadata, fqn: str, box: Box, verify: bool = True,
              index: TensorIndex | None = None) -> np.ndarray:
-    """The C-ordered bytes (flat uint8) of region ``box`` of tensor ``fqn``, through the verified reader."""
+    """The C-ordered bytes (flat uint8) of region ``box`` of tensor ``fqn``, through the verified reader
+    ``files`` (:meth:`Source.reader`); ``verify``: check block checksums (False for unverifiable sources)."""
     t = meta.tensors[fqn]
     buf = np.empty(box.numel * dtypes.itemsize(t.dtype), np.uint8)
     if box.numel == 0:
         return buf
     st = ShardedTensor(fqn, t.dtype, t.shape, [LocalShard(box, buf)])
     index = index or TensorIndex(meta)
-    verify = verify and getattr(meta, "has_checksums", True)
     reads = group_reads(meta, pieces_for(st, index.get(fqn), t), verify)
     execute_local_reads(files, meta, reads, LoadOptions(verify_checksums=verify, read_threads=1))
     return buf

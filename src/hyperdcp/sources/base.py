@@ -23,10 +23,9 @@ import json
 import os
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import replace
 from typing import Callable, ClassVar
 
-from ..errors import CheckpointError, CorruptionError, MismatchError, StorageError
+from ..errors import CheckpointError, CorruptionError, StorageError
 from ..format.metadata import Metadata
 from ..storage.commit import read_metadata_bytes
 from ..storage.data_file import chunk_name, read_header
@@ -174,23 +173,8 @@ class ChunkReader:
 
 
 def rename_keys(meta: Metadata, key_map: Callable[[str], str | None]) -> Metadata:
-    """A copy of ``meta`` with every key renamed through ``key_map`` (None drops the key)."""
-    def renamed(d: dict) -> dict:
-        out: dict = {}
-        for old, v in d.items():
-            new = key_map(old)
-            if new is None:
-                continue
-            if type(new) is not str or not new:
-                raise MismatchError(f"key_map returned {new!r} for {old!r}; it must return a non-empty str or None")
-            if new in out or new in seen:
-                raise MismatchError(f"key_map maps two checkpoint keys to {new!r} (one of them {old!r}); make it one-to-one")
-            out[new] = v
-            seen.add(new)
-        return out
-
-    seen: set[str] = set()
-    return replace(meta, tensors=renamed(meta.tensors), values=renamed(meta.values))
+    """A copy of ``meta`` with every key renamed through ``key_map`` (None drops the key): :meth:`Metadata.renamed`."""
+    return meta.renamed(key_map)
 
 
 #: the old name of :class:`ChunkReader`

@@ -26,6 +26,7 @@ from ..core import dtypes
 from ..core.boxes import full_box
 from ..errors import CheckpointExistsError, FormatError, MismatchError, StorageError
 from ..format.metadata import METADATA_FILE, ChunkTable, FileMeta, Metadata, TensorMeta
+from ..loading.reads import read_box
 from ..results import ConvertResult
 from ..sources.base import open_source, rename_keys
 from ..sources.huggingface import INDEX_FILE, INDEX_SUFFIX, SINGLE_FILE, HuggingFaceSource
@@ -33,7 +34,6 @@ from ..storage.checksum import block_digests
 from ..storage.data_file import MAX_HEADER_BYTES, ChunkToWrite, build_header
 from ..storage.threads import run_all
 from ._units import FLOAT_CODES, ByteBudget, Progress, parse_dtype, parse_size
-from .reads import read_box
 
 
 def _pwrite_all(fd: int, mv: memoryview, offset: int, path: str) -> None:

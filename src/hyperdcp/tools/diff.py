@@ -15,9 +15,9 @@ import numpy as np
 
 from ..core import dtypes
 from ..core.boxes import Box
+from ..loading.reads import read_box
 from ..planning.load_plan import TensorIndex
 from ..sources.base import open_source
-from .reads import read_box
 
 
 @dataclass
