@@ -83,3 +83,28 @@ def run_ranks(world: int, fn, *args, timeout: float = 120, env: dict | None = No
         missing = sorted(set(range(world)) - set(results))
         pytest.fail(f"timed out after {timeout}s waiting for rank(s) {missing}", pytrace=False)
     return [results[r] for r in range(world)]
+
+
+def run_scenarios(rank: int, world: int, tmp: str, scenarios) -> dict:
+    """Inside ``run_ranks``: run every scenario function on this rank, a barrier after each.
+
+    Returns ``{name: (True, its result) or (False, its traceback)}``, read back with :func:`outcome`, so
+    one spawn of the ranks serves many tests and each test reports its own scenario's failure."""
+    import torch.distributed as dist
+
+    out = {}
+    for fn in scenarios:
+        try:
+            out[fn.__name__] = (True, fn(rank, world, tmp))
+        except Exception:  # noqa: BLE001 - reported by the scenario's own test
+            out[fn.__name__] = (False, traceback.format_exc())
+        dist.barrier()
+    return out
+
+
+def outcome(results, name: str) -> list:
+    """Every rank's result of scenario ``name`` from :func:`run_scenarios`; fails naming the rank that raised."""
+    for rank, res in enumerate(results):
+        ok, val = res[name]
+        assert ok, f"rank {rank}:\n{val}"
+    return [res[name][1] for res in results]

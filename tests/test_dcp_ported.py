@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import itertools
 import os
-import traceback
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import hyperdcp  # noqa: E402
-from tests.dist import run_ranks  # noqa: E402
+from tests.dist import outcome, run_ranks, run_scenarios  # noqa: E402
 
 
 def _p(name: str):
@@ -197,27 +196,12 @@ SCENARIOS = [
 ]
 
 
-def _run_all(rank, world, tmp):
-    out = {}
-    for fn in SCENARIOS:
-        try:
-            out[fn.__name__] = (True, fn(rank, world, tmp))
-        except Exception:  # noqa: BLE001 - reported by the scenario's own test
-            out[fn.__name__] = (False, traceback.format_exc())
-        torch.distributed.barrier()
-    return out
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_ranks(4, _run_all, str(tmp_path_factory.mktemp("dcp")), timeout=240)
+    return run_ranks(4, run_scenarios, str(tmp_path_factory.mktemp("dcp")), SCENARIOS, timeout=240)
 
 
-def _outcome(results, name):
-    for rank, res in enumerate(results):
-        ok, val = res[name]
-        assert ok, f"rank {rank}:\n{val}"
-    return [res[name][1] for res in results]
+_outcome = outcome
 
 
 def test_placement_change_on_1d_and_2d_meshes(results):

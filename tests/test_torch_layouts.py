@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import traceback
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ torch = pytest.importorskip("torch")
 
 import hyperdcp  # noqa: E402
 from hyperdcp.core.layout import REPLICATE, GridLayout, dim_runs  # noqa: E402
-from tests.dist import run_ranks  # noqa: E402
+from tests.dist import outcome, run_ranks, run_scenarios  # noqa: E402
 
 G = torch.arange(14 * 3, dtype=torch.float32).reshape(14, 3) * 1.5  # the global tensor of the scenarios
 
@@ -218,27 +217,12 @@ SCENARIOS = [scenario_strided_several_boxes, scenario_sub_mesh, scenario_meta_dt
              scenario_async_custom_shards, scenario_partial_refused]
 
 
-def _run_all(rank, world, tmp):
-    out = {}
-    for fn in SCENARIOS:
-        try:
-            out[fn.__name__] = (True, fn(rank, world, tmp))
-        except Exception:  # noqa: BLE001 - reported by the scenario's own test
-            out[fn.__name__] = (False, traceback.format_exc())
-        torch.distributed.barrier()
-    return out
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_ranks(2, _run_all, str(tmp_path_factory.mktemp("layouts")), timeout=180)
+    return run_ranks(2, run_scenarios, str(tmp_path_factory.mktemp("layouts")), SCENARIOS, timeout=180)
 
 
-def _outcome(results, name):
-    for rank, res in enumerate(results):
-        ok, val = res[name]
-        assert ok, f"rank {rank}:\n{val}"
-    return [res[name][1] for res in results]
+_outcome = outcome
 
 
 # -- tests ------------------------------------------------------------------------------------
