@@ -25,10 +25,10 @@ from ..format import rank_files
 from ..format.metadata import METADATA_FILE, Metadata, max_metadata_bytes
 from ..format.safetensors import save_token
 from ..options import SaveOptions
+from ..results import SaveResult
 from ..storage.base import Storage
 from ..storage.local import LocalStorage
 from . import write
-from .flow import SaveResult
 from .stage import StagedState
 
 
