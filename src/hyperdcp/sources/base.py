@@ -255,6 +255,18 @@ def open_source(path, *, kind: str = "auto") -> Source:
     hyperdcp kind's own error (not found, incomplete save, torch DCP, ...) is raised with every other
     kind's reason appended. ``kind="hyperdcp"`` or ``"huggingface"`` opens that kind only.
 
+    Args:
+        path: a checkpoint directory, a ``.safetensors`` file, a HuggingFace model directory or hub
+            snapshot, or an fsspec URL of a committed hyperdcp checkpoint.
+        kind: ``"auto"`` or the name of one kind.
+
+    Returns:
+        a :class:`Source`: its ``metadata`` (tensors, chunks, values), ``verifiable``, and ``reader()``.
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``path``; IncompleteCheckpointError: an interrupted save;
+        FormatError: damaged metadata; ValueError: an unknown ``kind`` (the message lists the known ones).
+
     Example::
 
         src = hyperdcp.open_source("ckpt/step-100")

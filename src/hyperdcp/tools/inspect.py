@@ -15,7 +15,22 @@ KIND_NAMES = {"hyperdcp": "hyperdcp", "huggingface": "huggingface-safetensors"}
 
 
 def describe(path: str) -> dict[str, Any]:
-    """The inspect report of the source at ``path`` as a JSON-serialisable dict."""
+    """The inspect report of the source at ``path`` as a JSON-serialisable dict (what ``hyperdcp inspect
+    --json`` prints).
+
+    Args:
+        path: anything :func:`~hyperdcp.open_source` opens.
+
+    Returns:
+        a dict with the source's kind, its tensors (shape, dtype, chunks, bytes), values and totals.
+
+    Raises:
+        CheckpointError: from :func:`~hyperdcp.open_source` when ``path`` holds no checkpoint.
+
+    Example::
+
+        report = describe("ckpt/step-100"); report["tensors"]["w"]["shape"]
+    """
     source = open_source(path)
     meta = source.metadata
     is_hf = source.kind != "hyperdcp"
