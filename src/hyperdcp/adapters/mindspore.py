@@ -42,10 +42,17 @@ _HOST = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "U16"
          "F64": np.float64, "C64": np.complex64}
 
 
-def _prime() -> None:
+_PRIMED: list[bool] = []
+
+
+def prime() -> None:
     """MindSpore 2.10's wheel is built against numpy 1.x: under numpy 2 its first dtype-taking call
-    (e.g. ``Tensor.view(dtype)``) fails once with a SystemError while probing numpy's C API, then works.
-    Take that failure here, once, quietly."""
+    (e.g. ``Tensor.view(dtype)``, ``nn.Dense(...)``) fails once with a SystemError while probing numpy's C
+    API, then works. Take that failure here, once, quietly (called on first use, not at import: msrun
+    jobs must set the device and ``init()`` before any kernel runs; programs may call it themselves)."""
+    if _PRIMED:
+        return
+    _PRIMED.append(True)
     t = ms.Tensor.from_numpy(np.zeros(1, np.int16))
     with contextlib.redirect_stderr(io.StringIO()):
         for _ in range(2):
@@ -54,9 +61,6 @@ def _prime() -> None:
                 return
             except SystemError:
                 continue
-
-
-_prime()
 
 
 @dataclass(eq=False)
@@ -175,6 +179,7 @@ def _sharded_parts(fqn: str, value: Sharded, ctx, for_load: bool):
 
 
 def to_sharded(fqn: str, value: Any, ctx, for_load: bool) -> ShardedTensor:
+    prime()
     if isinstance(value, Sharded):
         shape, box, reps, grid, spec = _sharded_parts(fqn, value, ctx, for_load)
         local = value.local
