@@ -3,9 +3,14 @@
     msrun --worker_num=N ... reshard.py CKPT_DIR OUT_DIR
 
 Every rank holds its slice of three parameters under the save layouts (a 2-d device matrix sharding
-both dims, a tuple tensor-map entry, a replicated bf16 tensor); after the collective save, every rank
-loads into slices of a different layout and compares with the full values it can compute itself. It
-then calls a load that fails on rank 1 only (a wrong shape there) and records that every rank raised.
+both dims, a tuple tensor-map entry, a replicated float16 tensor with a NaN payload and -0); after the
+collective save, every rank loads into slices of a different layout and compares with the full values
+it can compute itself. It then calls a load that fails on rank 1 only (a wrong shape there) and
+records that every rank raised.
+
+No bf16 here: its bitcast makes this MindSpore wheel probe numpy's C API, which fails under numpy 2 and
+then spoils the worker's exit handshake with msrun's scheduler (docs/MINDSPORE.md); bf16 is covered on
+one process and across frameworks.
 """
 
 import json
@@ -17,7 +22,7 @@ import numpy as np
 from mindspore.communication import init, release
 
 import hyperdcp
-from hyperdcp.adapters.mindspore import Sharded, prime
+from hyperdcp.adapters.mindspore import Sharded
 from hyperdcp.adapters.mindspore_comm import MindSporeCoordinator
 from hyperdcp.adapters.mindspore_layout import coordinate, local_box, parse_layout
 
@@ -25,20 +30,14 @@ ckpt, out = sys.argv[1], sys.argv[2]
 ms.set_context(mode=ms.PYNATIVE_MODE)
 ms.set_device("CPU")
 init()
-prime()
 coord = MindSporeCoordinator()
 rank, world = coord.rank, coord.world_size
 
 FULL = {"w": np.arange(8 * 12, dtype=np.float32).reshape(8, 12) - 7.5,
         "e": (np.arange(16 * 4, dtype=np.int32).reshape(16, 4) * 3 - 50),
-        "b": np.array([0x3FC0, 0xBFC0, 0x7FC1, 0x8000, 0x7F80, 1], np.uint16).view(np.int16)}  # bf16 words
+        "b": np.array([0x3E00, 0xBE00, 0x7E01, 0x8000, 0x7C00, 1], np.uint16).view(np.float16)}  # NaN payload, -0
 SAVE = {"w": ((2, world // 2), (1, 0)), "e": ((2, world // 2), ((1, 0), -1)), "b": ((world,), (-1,))}
 LOAD = {"w": ((world,), (-1, 0)), "e": ((world // 2, 2), (0, -1)), "b": ((world // 2, 2), (-1,))}
-
-
-def tensor(name, arr):
-    t = ms.Tensor.from_numpy(np.ascontiguousarray(arr))
-    return t.view(ms.bfloat16) if name == "b" else t
 
 
 def slices(layouts, fill):
@@ -48,7 +47,8 @@ def slices(layouts, fill):
         box = local_box(spec, FULL[name].shape, coordinate(spec, rank))
         sl = tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))
         part = FULL[name][sl] if fill else np.zeros(box.lengths, FULL[name].dtype)
-        state[name] = Sharded(ms.Parameter(tensor(name, part), name=name) if name != "b" else tensor(name, part),
+        t = ms.Tensor.from_numpy(np.ascontiguousarray(part))
+        state[name] = Sharded(ms.Parameter(t, name=name) if name != "b" else t,
                               {"device_matrix": dev, "tensor_map": tmap}), sl
     return state
 
@@ -59,8 +59,7 @@ loaded = slices(LOAD, fill=False)
 hyperdcp.load({k: v for k, (v, _) in loaded.items()}, ckpt, coordinator=coord)
 ok = {}
 for name, (sh, sl) in loaded.items():
-    local = sh.local.view(ms.int16) if name == "b" else sh.local
-    ok[name] = bool(np.array_equal(local.asnumpy(), FULL[name][sl]))
+    ok[name] = sh.local.asnumpy().tobytes() == np.ascontiguousarray(FULL[name][sl]).tobytes()
 bad = {"w": Sharded(ms.Parameter(ms.Tensor(np.zeros((8, 12 // world + (rank == 1)), np.float32)), name="w"),
                     {"device_matrix": (world,), "tensor_map": (-1, 0)})}
 raised = "skipped"

@@ -48,8 +48,10 @@ _PRIMED: list[bool] = []
 def prime() -> None:
     """MindSpore 2.10's wheel is built against numpy 1.x: under numpy 2 its first dtype-taking call
     (e.g. ``Tensor.view(dtype)``, ``nn.Dense(...)``) fails once with a SystemError while probing numpy's C
-    API, then works. Take that failure here, once, quietly (called on first use, not at import: msrun
-    jobs must set the device and ``init()`` before any kernel runs; programs may call it themselves)."""
+    API, then works. Take that failure here, once, quietly. Called before the first bf16 bitcast only (not
+    at import: msrun jobs must set the device and ``init()`` before any kernel runs, and a failed probe
+    leaves MindSpore's numpy bridge broken for the rest of the process, see docs/MINDSPORE.md); programs
+    may call it themselves before their first dtype-taking call."""
     if _PRIMED:
         return
     _PRIMED.append(True)
@@ -61,6 +63,12 @@ def prime() -> None:
                 return
             except SystemError:
                 continue
+
+
+def bitcast(t: Any, dtype: Any) -> Any:
+    """``t.view(dtype)`` (same bytes, another element type of the same size), priming MindSpore first."""
+    prime()
+    return t.view(dtype)
 
 
 @dataclass(eq=False)
@@ -115,7 +123,7 @@ def host_bytes(t: Any, code: str) -> np.ndarray:
     """A flat uint8 host view of a MindSpore tensor's values (asnumpy; bf16 through its int16 bits)."""
     if getattr(t, "has_init", False):  # a Parameter whose initializer has not run yet
         t.init_data()
-    arr = (t.view(ms.int16) if code == "BF16" else t).asnumpy()
+    arr = (bitcast(t, ms.int16) if code == "BF16" else t).asnumpy()
     return flat_bytes(np.ascontiguousarray(arr))
 
 
@@ -123,7 +131,7 @@ def _setter(dst: Any, host: np.ndarray, code: str):
     def finish() -> None:
         src = ms.Tensor.from_numpy(host)
         if code == "BF16":
-            src = src.view(ms.bfloat16)
+            src = bitcast(src, ms.bfloat16)
         if isinstance(dst, ms.Parameter):
             dst.set_data(src)
         else:
@@ -179,7 +187,6 @@ def _sharded_parts(fqn: str, value: Sharded, ctx, for_load: bool):
 
 
 def to_sharded(fqn: str, value: Any, ctx, for_load: bool) -> ShardedTensor:
-    prime()
     if isinstance(value, Sharded):
         shape, box, reps, grid, spec = _sharded_parts(fqn, value, ctx, for_load)
         local = value.local
