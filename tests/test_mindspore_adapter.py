@@ -117,3 +117,14 @@ def test_a_slice_whose_shape_disagrees_with_its_layout_is_refused_with_the_name(
     bad = msa.Sharded(part, {"device_matrix": (1,), "tensor_map": (0, -1)}, shape=(4, 4))
     with pytest.raises(hyperdcp.CheckpointError, match="'w'.*slice has shape"):
         hyperdcp.save({"w": bad}, tmp_path / "c")
+
+
+def test_async_save_stages_mindspore_state_at_the_call(tmp_path):
+    w = ms.Parameter(ms.Tensor(np.arange(12, dtype=np.float32).reshape(3, 4)), name="w")
+    fut = hyperdcp.async_save({"w": w, "b": bf16(BF16_WORDS)}, tmp_path / "c")
+    w.set_data(ms.Tensor(np.zeros((3, 4), np.float32)))  # training goes on while the save persists
+    fut.result(timeout=120)
+    back, b = ms.Parameter(ms.Tensor(np.ones((3, 4), np.float32)), name="w"), bf16(np.zeros(10, np.int16))
+    hyperdcp.load({"w": back, "b": b}, tmp_path / "c")
+    assert back.asnumpy().tobytes() == np.arange(12, dtype=np.float32).tobytes()
+    assert words(b).tobytes() == BF16_WORDS.tobytes()

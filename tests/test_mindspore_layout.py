@@ -148,9 +148,21 @@ def test_four_mindspore_processes_save_sharded_and_load_under_other_layouts(tmp_
     logs = "".join(p.read_text()[-3000:] for p in sorted((tmp_path / "log").glob("worker_*.log")))
     assert len(results) == 4, f"msrun exit {proc.returncode}\n{proc.stderr[-3000:]}\n{logs}"
     for res in results:
-        assert res["world"] == 4 and res["ok"] == {"w": True, "e": True, "b": True}, res
+        assert res["world"] == 4 and res["ok"] == {"w": True, "e": True, "b": True, "whole": True}, res
         # the bad load raised on every rank: rank 1's own error there, the same error named on the others
         assert "'w'" in res["raised"] and ("rank(s) 1" in res["raised"] or res["rank"] == 1), res
     assert proc.returncode == 0, f"the workers finished but msrun failed:\n{proc.stderr[-3000:]}"
     meta = hyperdcp.read_metadata(tmp_path / "ckpt")
     assert meta.tensors["b"].dtype == "F16" and list(meta.tensors["w"].shape) == [8, 12]
+
+
+def test_with_layouts_wraps_the_parameters_a_parallel_network_reports(tmp_path):
+    net = ms.nn.SequentialCell([ms.nn.Dense(3, 4), ms.nn.ReLU(), ms.nn.Dense(4, 2)])
+    params = net.parameters_dict()
+    layouts = {"0.weight": ([1, 1], [1, 0], [4, 3], 0, True, "", [4, 3])}  # a parameter_layout_dict entry
+    state = msa.with_layouts(params, layouts)
+    assert isinstance(state["0.weight"], msa.Sharded) and state["0.bias"] is params["0.bias"]
+    hyperdcp.save(state, tmp_path / "c")
+    whole = {k: np.zeros(p.shape, np.float32) for k, p in params.items()}
+    hyperdcp.load(whole, tmp_path / "c")
+    assert all(whole[k].tobytes() == p.asnumpy().tobytes() for k, p in params.items())

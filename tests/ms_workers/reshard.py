@@ -5,7 +5,7 @@
 Every rank holds its slice of three parameters under the save layouts (a 2-d device matrix sharding
 both dims, a tuple tensor-map entry, a replicated float16 tensor with a NaN payload and -0); after the
 collective save, every rank loads into slices of a different layout and compares with the full values
-it can compute itself. It then calls a load that fails on rank 1 only (a wrong shape there) and
+it can compute itself, then into whole tensors. It then calls a load that fails on rank 1 only (a wrong shape there) and
 records that every rank raised.
 
 No bf16 here: its bitcast makes this MindSpore wheel probe numpy's C API, which fails under numpy 2 and
@@ -60,6 +60,9 @@ hyperdcp.load({k: v for k, (v, _) in loaded.items()}, ckpt, coordinator=coord)
 ok = {}
 for name, (sh, sl) in loaded.items():
     ok[name] = sh.local.asnumpy().tobytes() == np.ascontiguousarray(FULL[name][sl]).tobytes()
+whole = {k: ms.Parameter(ms.Tensor(np.zeros_like(v)), name=k) for k, v in FULL.items()}
+hyperdcp.load(whole, ckpt, coordinator=coord)  # every rank: the full tensors, from everyone's slices
+ok["whole"] = all(whole[k].asnumpy().tobytes() == FULL[k].tobytes() for k in FULL)
 bad = {"w": Sharded(ms.Parameter(ms.Tensor(np.zeros((8, 12 // world + (rank == 1)), np.float32)), name="w"),
                     {"device_matrix": (world,), "tensor_map": (-1, 0)})}
 raised = "skipped"
