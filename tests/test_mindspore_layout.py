@@ -85,7 +85,7 @@ def test_a_tuple_entry_splits_one_dim_outer_axis_first_as_mindspore_expands_it(d
 @pytest.mark.parametrize("dev,tmap,shape", INT_MAPS + TUPLE_MAPS)
 def test_the_grid_layout_lists_every_ranks_box_and_replicas_share_it(dev, tmap, shape):
     spec, boxes = boxes_of(dev, tmap, shape)
-    grid = msl.grid_layout(spec, np.asarray(spec.rank_list))
+    grid = msl.grid_layout(spec, spec.ranks())
     assert grid.valid_for(len(shape), spec.world)
     ranks, offs, lens = grid.boxes(shape)
     by_rank = {int(r): Box(tuple(o.tolist()), tuple(n.tolist())) for r, o, n in zip(ranks, offs, lens)}
@@ -104,6 +104,7 @@ def test_the_layout_api_and_a_parameter_layout_list_give_the_same_layout():
     assert msl.parse_layout("w", layout(("dp", "mp"), "None")).strategy() == (4, 1)
     ranked = msl.parse_layout("w", Layout((2, 2), ("a", "b"), rank_list=[4, 5, 6, 7])("b", "None"))
     assert msl.coordinate(ranked, 6) == (1, 0) and msl.coordinate(ranked, 0) is None
+    assert from_api.rank_list is None  # the default rank list, kept as None (O(1) to compare and hash)
 
 
 @pytest.mark.parametrize("layout,why", [
@@ -166,3 +167,28 @@ def test_with_layouts_wraps_the_parameters_a_parallel_network_reports(tmp_path):
     whole = {k: np.zeros(p.shape, np.float32) for k, p in params.items()}
     hyperdcp.load(whole, tmp_path / "c")
     assert all(whole[k].tobytes() == p.asnumpy().tobytes() for k, p in params.items())
+
+
+@pytest.mark.parametrize("rank_list", [None, [3, 1, 2, 0]])
+def test_each_rank_describes_its_slice_replicas_and_the_whole_grid(tmp_path, rank_list):
+    """What a rank of a 4-process job hands the core for a slice (no collectives needed to describe it)."""
+    from hyperdcp.coordination.files import FileCoordinator
+
+    layout = {"device_matrix": (2, 2), "tensor_map": (0, -1)}  # rows split over the last axis, replicas on the first
+    if rank_list is not None:
+        layout["rank_list"] = rank_list
+    spec = msl.parse_layout("w", layout)
+    full = np.arange(24, dtype=np.float32).reshape(6, 4)
+    for rank in range(4):
+        coord = FileCoordinator(str(tmp_path / "x"), rank, 4)
+        box = msl.local_box(spec, full.shape, msl.coordinate(spec, rank))
+        part = ms.Parameter(ms.Tensor(np.ascontiguousarray(piece(box, full))), name="w")
+        st = msa.to_sharded("w", msa.Sharded(part, layout), coord, for_load=True)
+        (shard,) = st.shards
+        assert st.shape == (6, 4) and shard.box == box
+        pos = (rank_list or [0, 1, 2, 3]).index(rank)
+        twins = [r for r in range(4) if (rank_list or [0, 1, 2, 3]).index(r) % 2 == pos % 2]
+        assert shard.replica_ranks == tuple(sorted(twins))
+        ranks, offs, lens = st.layout.boxes(st.shape)
+        assert {int(r): (tuple(o), tuple(n)) for r, o, n in zip(ranks, offs.tolist(), lens.tolist())}[rank] == \
+            (box.offsets, box.lengths)

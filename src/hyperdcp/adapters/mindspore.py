@@ -17,13 +17,14 @@ from __future__ import annotations
 import contextlib
 import io
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Mapping
 
 import mindspore as ms
 import numpy as np
 
 from ..core.boxes import full_box
-from ..core.layout import replicated_layout
+from ..core.layout import GridLayout, replicated_layout
 from ..core.shards import LocalShard, ShardedTensor, flat_bytes
 from ..errors import StateDictError
 from . import mindspore_layout as msl
@@ -139,22 +140,25 @@ def _setter(dst: Any, host: np.ndarray, code: str):
     return finish
 
 
-def _group_rank(ctx, global_rank: int) -> int | None:
-    ranks = ctx.global_ranks
-    if list(ranks) == list(range(ctx.world_size)):
-        return global_rank if 0 <= global_rank < ctx.world_size else None
-    try:
-        return list(ranks).index(global_rank)
-    except ValueError:
-        return None
+def _cache(ctx) -> dict:
+    """Per coordinator (its group fixes the rank numbering): what many tensors of one layout share."""
+    cache = getattr(ctx, "_hyperdcp_ms_layouts", None)
+    if cache is None:
+        cache = {}
+        try:
+            ctx._hyperdcp_ms_layouts = cache
+        except AttributeError:  # a coordinator with __slots__: no caching
+            pass
+    return cache
 
 
 def _group_grid(spec: msl.MsLayout, ctx) -> np.ndarray | None:
-    """``rank_list`` as the coordinator's group ranks (None if some rank is outside the group)."""
-    cache = ctx.__dict__.setdefault("_hyperdcp_ms_grids", {}) if hasattr(ctx, "__dict__") else {}
-    key = (spec.device_matrix, spec.rank_list)
+    """``rank_list`` as the coordinator's group ranks (None if some rank is outside the group); cached per
+    device matrix and rank list, so the per-tensor cost does not grow with the number of ranks."""
+    cache = _cache(ctx)
+    key = ("grid", spec.device_matrix, spec.rank_list)
     if key not in cache:
-        glob = np.asarray(spec.rank_list, np.int64)
+        glob = spec.ranks()
         members = np.asarray(ctx.global_ranks, np.int64)
         lookup = np.full(int(max(glob.max(), members.max(initial=0))) + 1, -1, np.int64)
         lookup[members] = np.arange(len(members), dtype=np.int64)
@@ -163,7 +167,31 @@ def _group_grid(spec: msl.MsLayout, ctx) -> np.ndarray | None:
     return cache[key]
 
 
-def _sharded_parts(fqn: str, value: Sharded, ctx, for_load: bool):
+def _replicas(spec: msl.MsLayout, coord: tuple[int, ...], grid: np.ndarray, ctx) -> tuple[int, ...]:
+    """Group ranks holding the same box as ``coord`` (cached per layout family and coordinate)."""
+    split = spec.split_dims()
+    cache = _cache(ctx)
+    key = ("reps", spec.device_matrix, spec.rank_list, split, tuple(coord[i] for i in split))
+    if key not in cache:
+        cache[key] = tuple(sorted(grid[msl.replica_positions(spec, coord)].tolist()))
+    return cache[key]
+
+
+def _grid_layout(spec: msl.MsLayout, grid: np.ndarray, ctx) -> GridLayout:
+    cache = _cache(ctx)
+    key = ("layout", spec.device_matrix, spec.rank_list, spec.tensor_map)
+    if key not in cache:
+        cache[key] = msl.grid_layout(spec, grid)
+    return cache[key]
+
+
+@lru_cache(maxsize=16)
+def _all_ranks(world: int) -> tuple[int, ...]:
+    return tuple(range(world))
+
+
+def _sharded_parts(fqn: str, value: Sharded, ctx):
+    """(full shape, this rank's box or None, its replica ranks or None, the group grid or None, the layout)."""
     spec = value.spec(fqn)
     local = value.local
     if not isinstance(local, ms.Tensor):
@@ -174,28 +202,26 @@ def _sharded_parts(fqn: str, value: Sharded, ctx, for_load: bool):
     me = value.rank if value.rank is not None else ctx.global_ranks[ctx.rank]
     coord = msl.coordinate(spec, int(me))
     grid = _group_grid(spec, ctx)
-    if coord is None:
+    if coord is None:  # this rank holds nothing of it (another stage's, or outside rank_list)
         return shape, None, None, grid, spec
     box = msl.local_box(spec, shape, coord)
     if tuple(int(s) for s in local.shape) != box.lengths:
         raise StateDictError(f"{fqn!r}: rank {me}'s slice has shape {tuple(local.shape)} but layout "
                              f"{spec.device_matrix}/{spec.tensor_map} of a {shape} tensor gives it {box.lengths}")
-    reps = None
-    if grid is not None:
-        reps = tuple(sorted(grid[msl.replica_positions(spec, coord)].tolist()))
+    reps = _replicas(spec, coord, grid, ctx) if grid is not None else None
     return shape, box, reps, grid, spec
 
 
 def to_sharded(fqn: str, value: Any, ctx, for_load: bool) -> ShardedTensor:
     if isinstance(value, Sharded):
-        shape, box, reps, grid, spec = _sharded_parts(fqn, value, ctx, for_load)
+        shape, box, reps, grid, spec = _sharded_parts(fqn, value, ctx)
         local = value.local
-        layout = msl.grid_layout(spec, grid) if (for_load and grid is not None) else None
+        layout = _grid_layout(spec, grid, ctx) if (for_load and grid is not None) else None
     else:
         local = value
         shape = tuple(int(s) for s in value.shape)
         box = full_box(shape)
-        reps = tuple(range(ctx.world_size))
+        reps = _all_ranks(ctx.world_size)
         layout = replicated_layout(ctx.world_size) if for_load else None
     code = dtype_code(fqn, local.dtype)
     if box is None or not box.numel:

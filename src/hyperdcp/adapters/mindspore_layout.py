@@ -35,15 +35,24 @@ from ..errors import StateDictError
 @dataclass(frozen=True)
 class MsLayout:
     """A MindSpore tensor layout in normal form: ``tensor_map`` entries are tuples of device-dim indices
-    counted from the right (``()``: not split), ``rank_list`` the global rank at each device position."""
+    counted from the right (``()``: not split), ``rank_list`` the global rank at each device position
+    (None: the default ``range(world)``, kept as None so that layouts compare and hash in O(1))."""
 
     device_matrix: tuple[int, ...]
     tensor_map: tuple[tuple[int, ...], ...]
-    rank_list: tuple[int, ...]
+    rank_list: tuple[int, ...] | None = None
 
     @property
     def world(self) -> int:
-        return len(self.rank_list)
+        return int(np.prod(self.device_matrix, dtype=np.int64))
+
+    def ranks(self) -> np.ndarray:
+        """The global rank at each device position (C order over the device matrix)."""
+        return np.arange(self.world, dtype=np.int64) if self.rank_list is None else np.asarray(self.rank_list, np.int64)
+
+    def split_dims(self) -> tuple[int, ...]:
+        """The device-matrix axes (from the left) that split some tensor dim, increasing."""
+        return tuple(sorted(self.mesh_dim(k) for ks in self.tensor_map for k in ks))
 
     def mesh_dim(self, k: int) -> int:
         """The device-matrix axis (counted from the left) that tensor-map index ``k`` names."""
@@ -105,10 +114,12 @@ def parse_layout(fqn: str, layout: Any) -> MsLayout:
     if len(used) != len(set(used)):
         raise StateDictError(f"{fqn!r}: tensor map {tuple(tmap)} uses a device dimension twice")
     n = int(np.prod(dev, dtype=np.int64))
-    ranks = tuple(range(n)) if ranks is None else tuple(int(r) for r in ranks)
-    if len(ranks) != n or len(set(ranks)) != n:
-        raise StateDictError(f"{fqn!r}: rank_list has {len(ranks)} entries ({len(set(ranks))} distinct) for a device "
-                             f"matrix of {n} devices; give each device position one distinct rank")
+    if ranks is not None:
+        arr = np.asarray(ranks, np.int64).reshape(-1)
+        if arr.size != n or np.unique(arr).size != n:
+            raise StateDictError(f"{fqn!r}: rank_list has {arr.size} entries ({np.unique(arr).size} distinct) for a "
+                                 f"device matrix of {n} devices; give each device position one distinct rank")
+        ranks = None if bool((arr == np.arange(n)).all()) else tuple(arr.tolist())
     return MsLayout(dev, entries, ranks)
 
 
@@ -133,10 +144,15 @@ def full_shape(fqn: str, ms: MsLayout, local_shape: Sequence[int]) -> tuple[int,
 
 def coordinate(ms: MsLayout, rank: int) -> tuple[int, ...] | None:
     """The device-matrix coordinate of global ``rank`` (None: the layout does not place it)."""
-    try:
-        pos = ms.rank_list.index(rank)
-    except ValueError:
-        return None
+    if ms.rank_list is None:
+        if not 0 <= rank < ms.world:
+            return None
+        pos = rank
+    else:
+        try:
+            pos = ms.rank_list.index(rank)
+        except ValueError:
+            return None
     return tuple(int(c) for c in np.unravel_index(pos, ms.device_matrix))
 
 
@@ -157,7 +173,7 @@ def local_box(ms: MsLayout, shape: Sequence[int], coord: Sequence[int]) -> Box:
 def replica_positions(ms: MsLayout, coord: Sequence[int]) -> np.ndarray:
     """Positions in ``rank_list`` holding the same box as ``coord``: equal coordinates on every splitting
     device dim, any on the others."""
-    split = {ms.mesh_dim(k) for ks in ms.tensor_map for k in ks}
+    split = set(ms.split_dims())
     idx = tuple(int(c) if i in split else slice(None) for i, c in enumerate(coord))
     return np.arange(ms.world, dtype=np.int64).reshape(ms.device_matrix)[idx].reshape(-1)
 
