@@ -33,17 +33,25 @@ def words(t) -> np.ndarray:
     return t.view(ms.int16).asnumpy()
 
 
-def trained(seed: int):
+def build(seed: int):
     ms.set_seed(seed)
     net = nn.SequentialCell([nn.Dense(3, 4), nn.ReLU(), nn.Dense(4, 2)])
-    opt = nn.Adam(net.trainable_params(), learning_rate=0.01)
+    return net, nn.Adam(net.trainable_params(), learning_rate=0.01)
+
+
+def train(net, opt, steps: int, seed: int = 0) -> None:
     loss = nn.MSELoss()
     grad = ms.value_and_grad(lambda x, y: loss(net(x), y), None, opt.parameters)
     rng = np.random.RandomState(seed)
     x, y = ms.Tensor(rng.randn(5, 3).astype(np.float32)), ms.Tensor(rng.randn(5, 2).astype(np.float32))
-    for _ in range(2):
+    for _ in range(steps):
         _, g = grad(x, y)
         opt(g)
+
+
+def trained(seed: int):
+    net, opt = build(seed)
+    train(net, opt, 2, seed)
     return net, opt
 
 
@@ -57,7 +65,7 @@ def test_cell_and_adam_state_restored_in_place_bit_exact(tmp_path):
     assert np.abs(want_opt["moment2.0.weight"]).sum() > 0  # the optimizer really has state
     hyperdcp.save({"model": net.parameters_dict(), "optim": opt.parameters_dict(), "step": 2}, tmp_path / "c")
 
-    fresh_net, fresh_opt = trained(seed=7)
+    fresh_net, fresh_opt = build(seed=7)  # a restart: new Cell, new optimizer, nothing trained yet
     model, optim = fresh_net.parameters_dict(), fresh_opt.parameters_dict()
     before = {k: (id(p), p.name, p.dtype) for k, p in {**model, **optim}.items()}
     assert not np.array_equal(model["0.weight"].asnumpy(), want_net["0.weight"])
@@ -71,6 +79,12 @@ def test_cell_and_adam_state_restored_in_place_bit_exact(tmp_path):
             assert p.asnumpy().dtype == want[k].dtype and p.asnumpy().tobytes() == want[k].tobytes(), k
     meta = hyperdcp.read_metadata(tmp_path / "c")
     assert meta.tensors["optim.moment1.0.weight"].dtype == "F32" and meta.tensors["optim.global_step"].dtype == "I32"
+    # the restored Parameters are the ones training uses: one more step of both runs agrees exactly
+    train(net, opt, 1, seed=4)
+    train(fresh_net, fresh_opt, 1, seed=4)
+    assert snapshot(fresh_net.parameters_dict()).keys() == want_net.keys()
+    for k, v in snapshot(net.parameters_dict()).items():
+        assert fresh_net.parameters_dict()[k].asnumpy().tobytes() == v.tobytes(), k
 
 
 def test_a_cell_given_whole_is_saved_and_restored_through_its_state_dict(tmp_path):
