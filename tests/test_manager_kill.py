@@ -100,8 +100,8 @@ def _train(root: str, mode: str, seed: int, ack: int) -> None:
         _inject(mode, rng)
     mgr = manager(root)
     st = state_of(0)
-    step = mgr.restore(st) or 0
-    for step in range(step + 1, step + 40):
+    start = mgr.restore(st) or 0
+    for step in range(start + 1, start + 40):
         mgr.save(step, state_of(step))
         os.write(ack, b"%d\n" % step)
     os._exit(0)  # a mode whose point was never reached: the trial reports it
