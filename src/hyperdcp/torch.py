@@ -63,9 +63,15 @@ def _common(process_group: Any, no_dist: bool, kw: dict) -> dict:
 
 
 def save(state_dict: Any, *, checkpoint_id: str | os.PathLike | None = None, storage_writer: Any = None,
-         planner: Any = None, process_group: Any = None, no_dist: bool = False, **options: Any) -> SaveResult:
-    """:func:`torch.distributed.checkpoint.save`'s signature; saves with :func:`hyperdcp.save` (every rank)."""
+         planner: Any = None, process_group: Any = None, no_dist: bool = False, use_collectives: bool = True,
+         **options: Any) -> SaveResult:
+    """:func:`torch.distributed.checkpoint.save`'s signature; saves with :func:`hyperdcp.save` (every rank).
+    ``options``: :class:`~hyperdcp.SaveOptions` fields."""
     _no_planner(planner, "save")
+    if not use_collectives:
+        raise StateDictError("hyperdcp.torch.save(use_collectives=False) is not supported: a synchronous hyperdcp save "
+                             "coordinates its ranks; use hyperdcp.torch.async_save(..., use_collectives=False) (each "
+                             "rank saves alone, see docs/FORMAT.md) or drop the argument")
     path = _where(checkpoint_id, storage_writer, "storage_writer")
     options.setdefault("overwrite", bool(getattr(storage_writer, "overwrite", True)))
     return _save(state_dict, path, **_common(process_group, no_dist, options))
@@ -73,13 +79,17 @@ def save(state_dict: Any, *, checkpoint_id: str | os.PathLike | None = None, sto
 
 def async_save(state_dict: Any, *, checkpoint_id: str | os.PathLike | None = None, storage_writer: Any = None,
                planner: Any = None, process_group: Any = None, no_dist: bool = False,
-               async_checkpointer_type: Any = None, async_stager: Any = None, **options: Any) -> SaveFuture:
+               async_checkpointer_type: Any = None, async_stager: Any = None, use_collectives: bool = True,
+               **options: Any) -> SaveFuture:
     """:func:`torch.distributed.checkpoint.async_save`'s signature: a Future whose ``result()`` is the
     committed save. ``async_checkpointer_type``/``async_stager`` are accepted and unused (hyperdcp stages into
-    shared memory and persists in a process of its own)."""
+    shared memory and persists in a process of its own). ``use_collectives=False``: each rank saves alone
+    (hyperdcp's ``coordination="none"``)."""
     _no_planner(planner, "async_save")
     path = _where(checkpoint_id, storage_writer, "storage_writer")
     options.setdefault("overwrite", bool(getattr(storage_writer, "overwrite", True)))
+    if not use_collectives:
+        options["coordination"] = "none"
     return _async_save(state_dict, path, **_common(process_group, no_dist, options))
 
 
