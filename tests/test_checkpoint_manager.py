@@ -296,3 +296,21 @@ def test_two_ranks(tmp_path):
     assert mgr.restore(st) == 6 and st["step"] == 6
     assert torch.equal(st["w"], torch.arange(64, dtype=torch.float32).reshape(8, 8) * 6)
     assert mgr.restore(st, step=4) == 4 and torch.equal(st["w"], torch.arange(64.0).reshape(8, 8) * 4)
+
+
+def test_the_same_manager_lists_and_restores_through_a_remote_storage(tmp_path):
+    """Through the Storage interface only: an fsspec URL (here fsspec's in-memory file system)."""
+    import fsspec
+    with hyperdcp.CheckpointManager(tmp_path / "run", keep_last=2) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, state(s), metrics={"loss": s / 10})
+    os.makedirs(tmp_path / "run" / ".step-4.hyperdcp-tmp-0a0b0c0d")  # an upload of a killed save: not listed
+    fs = fsspec.filesystem("memory")
+    fs.put(str(tmp_path / "run"), "/hyperdcp-manager-test/run", recursive=True)
+    try:
+        remote = hyperdcp.CheckpointManager("memory://hyperdcp-manager-test/run")
+        assert remote.steps() == [2, 3] and remote.metrics(3) == {"loss": 0.3}
+        st = blank()
+        assert remote.restore(st) == 3 and st["w"].tobytes() == state(3)["w"].tobytes()
+    finally:
+        fs.rm("/hyperdcp-manager-test", recursive=True)

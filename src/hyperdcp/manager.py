@@ -222,12 +222,12 @@ class CheckpointManager:
         """Rank 0: the committed steps under the root, oldest first (each commit record read once)."""
         root = storage_for(self.directory)
         try:
+            if not is_remote(self.directory):
+                recover_under(local_path(self.directory))  # overwrites killed between their two renames
             try:
                 names = root.list()
             except CheckpointNotFoundError:
                 names = []
-            if not is_remote(self.directory):
-                recover_under(local_path(self.directory))
             found = []
             for name in names:
                 m = self._pattern.fullmatch(name)
