@@ -218,6 +218,18 @@ def test_sigterm_makes_the_next_save_save_then_exit(tmp_path):
         signal.signal(signal.SIGTERM, prev)
 
 
+def test_deletion_refuses_what_is_not_a_checkpoint_name(tmp_path):
+    from hyperdcp.storage.local import LocalStorage
+
+    (tmp_path / "notes.txt").write_text("mine")
+    root = LocalStorage(tmp_path)
+    for bad in ("../elsewhere", ".hidden", "notes.txt", ""):
+        with pytest.raises(hyperdcp.StorageError):
+            root.delete(bad)
+    root.delete("absent")  # nothing there: nothing to do
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
+
+
 def test_is_checkpoint(tmp_path):
     hyperdcp.save(state(1), tmp_path / "a")
     os.makedirs(tmp_path / "b")
