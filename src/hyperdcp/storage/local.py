@@ -10,14 +10,17 @@ protocol of docs/FORMAT.md is unchanged; writers create files with ``O_EXCL`` an
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 
-from ..errors import CorruptionError, StorageError
+from ..errors import CheckpointExistsError, CorruptionError, StorageError
 from .base import FileWriter, SaveFiles, SaveStaging, Storage
-from .local_commit import SaveTarget, fsync_dir
+from .local_commit import _OLD, _TMP, SaveTarget, _rmtree, fsync_dir
 from .safe_open import open_dir, open_regular, read_regular
 
 _WRITE_SLICE = 64 << 20
+#: marks a checkpoint being deleted (renamed out of the listing first): ``.<name>.hyperdcp-trash-<token>``
+_TRASH = ".hyperdcp-trash-"
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 _REPLACE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -199,6 +202,58 @@ class LocalStorage(Storage):
 
     def writer_at(self, location: str) -> LocalFiles:
         return LocalFiles(location)
+
+    # -- a directory of checkpoints (CheckpointManager) ---------------------------------------------
+    def delete(self, name: str) -> None:
+        """Rename ``name`` to ``.<name>.hyperdcp-trash-<token>`` (out of every listing), fsync, then remove it."""
+        if not name or name.startswith(".") or os.sep in name or name in ("..",):
+            raise StorageError(f"refusing to delete {name!r} under {self.root!r}: not a checkpoint name")
+        path = self.path(name)
+        if not os.path.lexists(path):
+            return
+        if os.path.islink(path) or not os.path.isdir(path):
+            raise StorageError(f"refusing to delete {path!r}: it is not a checkpoint directory (a file or a link)")
+        trash = self.path(f".{name}{_TRASH}{secrets.token_hex(6)}")
+        try:
+            os.rename(path, trash)
+            fsync_dir(self.root)
+        except OSError as e:
+            raise StorageError(f"cannot delete checkpoint {path!r}: {e.strerror or e}; check the permissions of "
+                               f"{self.root!r}") from e
+        _rmtree(trash)
+
+    def sweep(self) -> list[str]:
+        """Remove trash of killed deletions, and temporaries of killed saves whose lock no live save holds."""
+        try:
+            entries = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise StorageError(f"cannot list {self.root!r}: {e.strerror or e}") from e
+        removed, saves = [], set()
+        for e in entries:
+            if not e.startswith("."):
+                continue
+            if _TRASH in e:
+                _rmtree(self.path(e))
+                removed.append(e)
+            for mark in (_TMP, _OLD, ".hyperdcp-lock"):
+                if mark in e:
+                    saves.add(e[1:].split(mark, 1)[0])
+        for name in sorted(n for n in saves if n and not n.startswith(".")):
+            target = SaveTarget(self.path(name))
+            try:
+                target._lock()
+            except CheckpointExistsError:
+                continue  # a save to it is running: its temporary directory is not abandoned
+            try:
+                target._recover()  # an overwrite killed between its two renames: put the old one back
+                before = set(os.listdir(self.root))
+                target._clean_leftovers()
+                removed.extend(sorted(before - set(os.listdir(self.root))))
+            finally:
+                target.release()
+        return removed
 
     def begin_in_place(self, rank: int) -> LocalFiles:
         """The checkpoint directory itself (created if needed); never through a link or over a file."""
