@@ -115,7 +115,7 @@ class TorchDcpSource(Source):
         for k, dt, shape, offs, lens, fi, b, e in doc["tensors"]:
             nd = len(shape)
             tensors[k] = TensorMeta(dt, tuple(shape), ChunkTable(
-                np.array(offs, np.int64).reshape(-1, nd), np.array(lens, np.int64).reshape(-1, nd),
+                np.array(offs, np.int64).reshape(len(b), nd), np.array(lens, np.int64).reshape(len(b), nd),
                 np.array(fi, np.int64), np.array(b, np.int64), np.array(e, np.int64), [""] * len(b)))
         values = {k: values_codec.decode(v, f"value {k!r}") for k, v in doc["values"].items()}
         meta = make_metadata([FileMeta(n, s) for n, s in doc["files"]], tensors, values, doc["user"])
@@ -204,7 +204,8 @@ def _from_pickle(root: str, md: tp.Metadata) -> tuple[Metadata, dict[str, str]]:
         nd = len(size)
         _check_cover(where, fqn, size, [r[1] for r in rows])
         tensors[fqn] = TensorMeta(dt, tuple(size), ChunkTable(
-            np.array([r[0] for r in rows], np.int64).reshape(-1, nd), np.array([r[1] for r in rows], np.int64).reshape(-1, nd),
+            np.array([r[0] for r in rows], np.int64).reshape(len(rows), nd),
+            np.array([r[1] for r in rows], np.int64).reshape(len(rows), nd),
             np.array([r[2] for r in rows], np.int64), np.array([r[3] for r in rows], np.int64),
             np.array([r[4] for r in rows], np.int64), [""] * len(rows)))
     planner = md.get("planner_data") if isinstance(md.get("planner_data"), dict) else {}

@@ -80,7 +80,8 @@ def read_safetensors_dir(root: str) -> Metadata:
         code, nd = kinds[fqn]
         shape = tuple(max(o[d] + n[d] for o, n, *_ in rs) for d in range(nd))
         tensors[fqn] = TensorMeta(code, shape, ChunkTable(
-            np.array([r[0] for r in rs], np.int64).reshape(-1, nd), np.array([r[1] for r in rs], np.int64).reshape(-1, nd),
+            np.array([r[0] for r in rs], np.int64).reshape(len(rs), nd),
+            np.array([r[1] for r in rs], np.int64).reshape(len(rs), nd),
             np.array([r[2] for r in rs], np.int64), np.array([r[3] for r in rs], np.int64),
             np.array([r[4] for r in rs], np.int64), [""] * len(rs)))
     return make_metadata(files, tensors, {}, {"torch_dcp_serialization": "safetensors"})
