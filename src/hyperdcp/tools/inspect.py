@@ -11,12 +11,13 @@ from typing import Any
 from ..sources.base import open_source
 
 #: the report's name for each source kind
-KIND_NAMES = {"hyperdcp": "hyperdcp", "huggingface": "huggingface-safetensors"}
+KIND_NAMES = {"hyperdcp": "hyperdcp", "huggingface": "huggingface-safetensors", "torch-dcp": "torch-dcp"}
 
 
-def describe(path: str) -> dict[str, Any]:
-    """The inspect report of the source at ``path`` as a JSON-serialisable dict."""
-    source = open_source(path)
+def describe(path: str, source: str = "auto") -> dict[str, Any]:
+    """The inspect report of the source at ``path`` (``source``: its kind, see :func:`open_source`)."""
+    kind = source
+    source = open_source(path, kind=kind)
     meta = source.metadata
     is_hf = source.kind != "hyperdcp"
     tensors = []
@@ -37,4 +38,5 @@ def describe(path: str) -> dict[str, Any]:
         "totals": {"tensors": len(meta.tensors), "values": len(meta.values), "chunks": meta.num_chunks,
                    "tensor_bytes": meta.tensor_bytes, "files": len(meta.files), "file_bytes": meta.data_file_bytes},
         "user": meta.user,
+        **({"unreadable": dict(sorted(source.unreadable.items()))} if hasattr(source, "unreadable") else {}),
     }
