@@ -168,3 +168,24 @@ def test_default_paths_never_open_a_torch_dcp_checkpoint(saved):
         hyperdcp.load({"step": 0}, os.path.join(saved, "fsdp"))
     with pytest.raises(hyperdcp.FormatError, match='source="torch-dcp"'):
         hyperdcp.read_metadata(os.path.join(saved, "fsdp"))
+
+
+def test_a_sharded_torch_checkpoint_converts_to_hyperdcp_and_back_for_dcp_load(saved, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from hyperdcp.tools.convert_torch_dcp import hyperdcp_to_torch_dcp, torch_dcp_to_hyperdcp
+
+    ours, back = str(tmp_path / "ours"), str(tmp_path / "back")
+    torch_dcp_to_hyperdcp(os.path.join(saved, "fsdp_tp"), ours)
+    assert hyperdcp.verify_checkpoint(ours).ok
+    assert len(hyperdcp.read_metadata(ours).tensors["model.w1"].chunks) == 4  # the 2x2 mesh's shards, kept
+    hyperdcp_to_torch_dcp(ours, back)
+    state = {"model": {n.split(".", 1)[1]: torch.zeros_like(full(n)) for n in {**GLOBAL, **REPLICATED}},
+             **{k: None for k in VALUES}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=back)  # torch's own reader, in one process
+    for n in {**GLOBAL, **REPLICATED}:
+        got = state["model"][n.split(".", 1)[1]]
+        assert torch.equal(got.view(torch.uint8), full(n).view(torch.uint8)), n
+    assert state["step"] == 42 and state["meta"]["name"] == "m" and state["meta"]["lr"] == 3e-4

@@ -54,6 +54,8 @@ class TorchDcpSource(Source):
         self.root, self.metadata, self.layout = root, metadata, layout
         #: key -> why hyperdcp does not read it (a pickled object of a class it does not construct, ...)
         self.unreadable = dict(unreadable or {})
+        #: (key, chunk) -> the zip CRC-32 of a chunk that is a whole stored storage (on the opening rank only)
+        self.crc: dict[tuple[str, int], int] = {}
 
     @classmethod
     def probe(cls, path: str) -> str | None:
@@ -91,7 +93,10 @@ class TorchDcpSource(Source):
             raw = pread_exact(fd, size, 0, mpath)
         finally:
             os.close(fd)
-        return cls(root, *_from_pickle(root, tp.load_metadata(raw, mpath)))
+        meta, unreadable, crc = _from_pickle(root, tp.load_metadata(raw, mpath))
+        out = cls(root, meta, unreadable)
+        out.crc = crc
+        return out
 
     def reader(self) -> ChunkReader:
         return ChunkReader(self.root, self.metadata, check_headers=False)
@@ -138,7 +143,7 @@ def check_file_name(root: str, name: Any, key: str) -> str:
 
 
 # -- the pickled layout ------------------------------------------------------------------------------
-def _from_pickle(root: str, md: tp.Metadata) -> tuple[Metadata, dict[str, str]]:
+def _from_pickle(root: str, md: tp.Metadata) -> tuple[Metadata, dict[str, str], dict[tuple[str, int], int]]:
     where = os.path.join(root, METADATA_NAME)
     storage = md.get("storage_data")
     if not isinstance(storage, dict):
@@ -197,10 +202,12 @@ def _from_pickle(root: str, md: tp.Metadata) -> tuple[Metadata, dict[str, str]]:
         else:
             located.setdefault(fqn, []).append((job[5], job[6], fidx[job[2]], *res))
     tensors: dict[str, TensorMeta] = {}
+    crc: dict[tuple[str, int], int] = {}
     for fqn, (dt, size, n) in shapes.items():
         if fqn in unreadable:
             continue
         rows = located.get(fqn, [])
+        crc.update({(fqn, i): r[5] for i, r in enumerate(rows) if r[5] is not None})
         nd = len(size)
         _check_cover(where, fqn, size, [r[1] for r in rows])
         tensors[fqn] = TensorMeta(dt, tuple(size), ChunkTable(
@@ -212,7 +219,7 @@ def _from_pickle(root: str, md: tp.Metadata) -> tuple[Metadata, dict[str, str]]:
     values, bad = nest_values(flat_values, set(shapes), unreadable, planner)
     unreadable.update(bad)
     user = {"torch_dcp_version": str(md.get("version") or "")}
-    return make_metadata([FileMeta(n, files[n]) for n in names], tensors, values, user), unreadable
+    return make_metadata([FileMeta(n, files[n]) for n in names], tensors, values, user), unreadable, crc
 
 
 def _storage(root: str, fqn: str, info: Any, files: dict[str, int]) -> tuple[str, int, int]:
@@ -287,7 +294,8 @@ def _locate(root: str, fds: dict[str, int], sizes: dict[str, int], shapes: dict,
         return _Unreadable(f"stored with strides {st.stride} (not row-major) in {where}; load it with "
                            "torch.distributed.checkpoint")
     begin = base + soff + st.storage_offset * item
-    return begin, begin + numel * item
+    whole = st.storage_offset == 0 and numel * item == sbytes
+    return begin, begin + numel * item, rec.crcs.get(key) if whole else None
 
 
 def _c_contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:

@@ -31,6 +31,7 @@ class Record:
     prefix: str
     entries: dict[str, tuple[int, int]]
     head: bytes  # the record's first bytes, as read
+    crcs: dict[str, int]  # entry name -> the CRC-32 the zip directory records
 
     def data(self, name: str, pread: Callable[[int, int], bytes], where: str) -> bytes:
         """The bytes of a (small) entry, from the head already read when they are in it."""
@@ -49,7 +50,7 @@ def read_record(pread: Callable[[int, int], bytes], length: int, where: str) -> 
         raise FormatError(f"{where}: {length} bytes is too short for a torch.save record")
     head = pread(min(length, HEAD_BYTES), 0)
     t0 = max(0, length - TAIL_BYTES)
-    tail = head[t0:] if t0 + (length - t0) <= len(head) else pread(length - t0, t0)
+    tail = head[t0:] if length <= len(head) else pread(length - t0, t0)
 
     def at(off: int, n: int) -> bytes:
         if off >= t0 and off + n <= length:
@@ -83,6 +84,7 @@ def read_record(pread: Callable[[int, int], bytes], length: int, where: str) -> 
     for _ in range(count):
         if pos + 46 > len(cd) or struct.unpack_from("<I", cd, pos)[0] != _CEN:
             raise FormatError(f"{where}: damaged zip directory")
+        crc = struct.unpack_from("<I", cd, pos + 16)[0]
         (method, csize, usize, nlen, xlen, clen, lho) = (struct.unpack_from("<H", cd, pos + 10)[0],
                                                         *struct.unpack_from("<II", cd, pos + 20),
                                                         *struct.unpack_from("<HHH", cd, pos + 28),
@@ -93,16 +95,17 @@ def read_record(pread: Callable[[int, int], bytes], length: int, where: str) -> 
         if method != 0 or csize != usize:
             raise FormatError(f"{where}: entry {name!r} is compressed (method {method}); torch.save stores entries "
                               "uncompressed, so this is not a record torch wrote")
-        names.append((name, lho, usize))
+        names.append((name, lho, usize, crc))
         pos += 46 + nlen + xlen + clen
     prefix = ""
-    for name, _, _ in names:
+    for name, *_ in names:
         if name.endswith("/data.pkl") or name == "data.pkl":
             prefix = name[: -len("data.pkl")]
             break
     else:
         raise FormatError(f"{where}: no data.pkl in the record: not a torch.save record")
-    for name, lho, size in names:
+    crcs: dict[str, int] = {}
+    for name, lho, size, crc in names:
         if not name.startswith(prefix):
             continue
         sig, nlen, xlen = struct.unpack("<I22xHH", at(lho, 30))
@@ -112,7 +115,8 @@ def read_record(pread: Callable[[int, int], bytes], length: int, where: str) -> 
         if start + size > length:
             raise FormatError(f"{where}: entry {name!r} ({size} bytes at {start}) extends past the record's {length} bytes")
         entries[name[len(prefix):]] = (start, size)
-    return Record(prefix, entries, head)
+        crcs[name[len(prefix):]] = crc
+    return Record(prefix, entries, head, crcs)
 
 
 def _zip64(extra: bytes, csize: int, usize: int, lho: int) -> tuple[int, int, int]:
