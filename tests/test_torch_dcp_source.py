@@ -83,7 +83,8 @@ def _save_all(rank, world, tmp):
 def _load_layouts(rank, world, tmp):
     read = {}
     for saved in LAYOUTS:
-        for kind in ("fsdp", "tp"):  # another world size (3) and, for all but fsdp, another layout
+        # another world size (3) and another layout: Shard(1) for what was saved sharded on dim 0, and back
+        for kind in (["fsdp"] if saved in ("tp", "fsdp_tp") else ["tp"]):
             state = make_state(_mesh(kind, world), _placements(kind), zeros=True)
             res = hyperdcp.load(state, os.path.join(tmp, saved), source="torch-dcp")
             check_state(state)
