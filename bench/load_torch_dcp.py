@@ -76,7 +76,7 @@ def _rank(rank, world, args, root):
     return results
 
 
-def _convert(root: str, repeat: int) -> list[tuple[float, float, int, int]]:
+def _convert(root: str, repeat: int, check_crc: bool, threads: int) -> list[tuple[float, float, int, int]]:
     """(convert s, dd s, bytes, RSS growth) per run, each from a cold cache into a fresh directory."""
     from hyperdcp.tools.convert_torch_dcp import torch_dcp_to_hyperdcp
 
@@ -89,7 +89,7 @@ def _convert(root: str, repeat: int) -> list[tuple[float, float, int, int]]:
         drop_caches([src])
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t = time.perf_counter()
-        torch_dcp_to_hyperdcp(src, dst)
+        torch_dcp_to_hyperdcp(src, dst, check_crc=check_crc, threads=threads)
         conv = time.perf_counter() - t
         grow = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
         os.makedirs(dd_dir)
@@ -109,6 +109,7 @@ def main() -> None:
     add_experiment_args(ap)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--convert-threads", type=int, default=4)
     args = ap.parse_args()
     set_rows(args)
     root = tempfile.mkdtemp(prefix="hyperdcp-bench-", dir=args.dir)
@@ -136,15 +137,20 @@ def main() -> None:
         for case in dict.fromkeys(k[0] for k in res[0]):
             print(f"{case}: wall time hyperdcp(source=torch-dcp)/torch = "
                   f"{walls[(case, 'hyperdcp')] / walls[(case, 'torch')]:.3f}")
-        runs = _convert(root, args.repeat)
-        conv, dd = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-        total = runs[0][2]
-        print(f"convert torch-dcp-to-hyperdcp: {total / 2**20:.0f} MiB in {conv:.2f} s ({total / conv / 1e9:.2f} GB/s); "
-              f"dd bs=8M conv=fsync: {dd:.2f} s ({total / dd / 1e9:.2f} GB/s); throughput vs dd {dd / conv:.2f}x; "
-              f"peak RSS growth {max(r[3] for r in runs) / 2**20:.0f} MiB; runs "
-              + ", ".join(f"{c:.2f}/{d:.2f}" for c, d, _, _ in runs))
+        for crc in (True, False):
+            _report_convert(_convert(root, args.repeat, crc, args.convert_threads), crc, args.convert_threads)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _report_convert(runs: list, crc: bool, threads: int) -> None:
+    conv, dd = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    total = runs[0][2]
+    print(f"convert torch-dcp-to-hyperdcp ({threads} threads, CRC-32 {'checked' if crc else 'not checked'}): "
+          f"{total / 2**20:.0f} MiB in {conv:.2f} s ({total / conv / 1e9:.2f} GB/s); "
+          f"dd bs=8M conv=fsync: {dd:.2f} s ({total / dd / 1e9:.2f} GB/s); throughput vs dd {dd / conv:.2f}x; "
+          f"peak RSS growth {max(r[3] for r in runs) / 2**20:.0f} MiB; runs (convert/dd s) "
+          + ", ".join(f"{c:.2f}/{d:.2f}" for c, d, _, _ in runs))
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@ def register(subparsers) -> None:
         x.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
         x.set_defaults(func=run)
     c.add_argument("--threads", type=int, default=4, help="parallel I/O threads (default 4)")
+    c.add_argument("--no-crc", action="store_true",
+                   help="skip checking each storage against the CRC-32 torch recorded (faster, unchecked)")
     for x in (a, b):
         x.add_argument("--overwrite", action="store_true", help="replace an existing destination")
         x.add_argument("--threads", type=int, default=4, help="parallel I/O threads (default 4)")
@@ -82,7 +84,8 @@ def run(args) -> int:
         from ..tools.convert_torch_dcp import hyperdcp_to_torch_dcp, torch_dcp_to_hyperdcp
 
         if direction == "torch-dcp-to-hyperdcp":
-            r = torch_dcp_to_hyperdcp(args.src, args.dst, overwrite=args.overwrite, threads=threads, quiet=args.quiet)
+            r = torch_dcp_to_hyperdcp(args.src, args.dst, overwrite=args.overwrite, threads=threads, quiet=args.quiet,
+                                      check_crc=not args.no_crc)
         else:
             r = hyperdcp_to_torch_dcp(args.src, args.dst, overwrite=args.overwrite, quiet=args.quiet)
         if r.skipped_values:

@@ -19,8 +19,8 @@ from ..errors import FormatError
 _EOCD, _EOCD64, _LOC64 = 0x06054B50, 0x06064B50, 0x07064B50
 _CEN, _LOC = 0x02014B50, 0x04034B50
 #: how much of a record's start and end one read takes (covers torch's headers, data.pkl and directory)
-HEAD_BYTES = 4096
-TAIL_BYTES = 4096
+HEAD_BYTES = 1024
+TAIL_BYTES = 2048
 MAX_ENTRIES = 1 << 16
 
 
