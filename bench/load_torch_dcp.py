@@ -1,6 +1,8 @@
 """Loading a torch-written checkpoint: torch's ``dcp.load`` vs ``hyperdcp.load(source="torch-dcp")``, and the
 conversion ``torch_dcp_to_hyperdcp`` vs ``dd``.
 
+A third row per case, ``converted``, loads the same state converted to hyperdcp's own format (reference).
+
 N local CPU ranks (gloo) save one HSDP state (``--tensors`` float32 matrices, ``--mib`` MiB, mesh (R, S)
 [Replicate, Shard(0)]) with ``dcp.save``; then both libraries load that same checkpoint (a) in the same
 layout and (b) as 1-D [Shard(1)] over all ranks, with a cold page cache (bench/load.py's drop_caches:
@@ -45,24 +47,31 @@ def _rank(rank, world, args, root):
     shapes = [(args.rows, args.cols)] * args.tensors
     hsdp = init_device_mesh("cpu", (R, S))
     flat = init_device_mesh("cpu", (world,))
-    tp = os.path.join(root, "torch")
+    tp, hp = os.path.join(root, "torch"), os.path.join(root, "converted")
     dcp.save(_state(hsdp, [Replicate(), Shard(0)], shapes, fill=True), checkpoint_id=tp)
     dist.barrier()
+    if rank == 0:  # the same checkpoint in hyperdcp's own format, for reference
+        from hyperdcp.tools.convert_torch_dcp import torch_dcp_to_hyperdcp
+
+        torch_dcp_to_hyperdcp(tp, hp)
+    dist.barrier()
     cases = {"a_same_layout": (hsdp, [Replicate(), Shard(0)]), "b_1d_shard1": (flat, [Shard(1)])}
-    libs = ["hyperdcp", "torch"]
+    libs = ["hyperdcp", "torch", "converted"]
     order = [(case, lib) for rep in range(args.repeat) for case in cases for lib in (libs if rep % 2 == 0 else libs[::-1])]
     results: dict = {}
     for case, lib in order:
         mesh, placements = cases[case]
         state = _state(mesh, placements, shapes, fill=False)
         dist.barrier()
-        method = drop_caches([tp]) if rank == 0 else ""
+        method = drop_caches([tp, hp]) if rank == 0 else ""
         dist.barrier()
         io0 = _io()
         t0 = time.perf_counter()
         counted = None
         if lib == "hyperdcp":
             counted = hyperdcp.load(state, tp, source="torch-dcp").bytes_read
+        elif lib == "converted":
+            counted = hyperdcp.load(state, hp).bytes_read
         else:
             dcp.load(state, checkpoint_id=tp)
         dist.barrier()
@@ -136,7 +145,8 @@ def main() -> None:
                   + " ".join(f"{w:.2f}" for w in each))
         for case in dict.fromkeys(k[0] for k in res[0]):
             print(f"{case}: wall time hyperdcp(source=torch-dcp)/torch = "
-                  f"{walls[(case, 'hyperdcp')] / walls[(case, 'torch')]:.3f}")
+                  f"{walls[(case, 'hyperdcp')] / walls[(case, 'torch')]:.3f}; hyperdcp on the converted checkpoint"
+                  f"/torch = {walls[(case, 'converted')] / walls[(case, 'torch')]:.3f}")
         for crc in (True, False):
             _report_convert(_convert(root, args.repeat, crc, args.convert_threads), crc, args.convert_threads)
     finally:

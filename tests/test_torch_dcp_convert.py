@@ -61,6 +61,13 @@ def test_torch_dcp_to_hyperdcp_and_back_is_bit_exact(torch_ckpt, tmp_path):
     _equal(state, _state())
 
 
+def test_every_dtype_scalars_and_empty_tensors_also_load_directly(torch_ckpt):
+    state = _state(zeros=True)
+    res = hyperdcp.load(state, torch_ckpt, source="torch-dcp")
+    _equal(state, _state())
+    assert res.bytes_read == sum(v.numel() * v.element_size() for v in _state()["model"].values())
+
+
 def test_conversion_memory_is_bounded_by_its_buffers(tmp_path):
     src, dst = str(tmp_path / "big"), str(tmp_path / "ours")
     big = {"w": torch.arange(8 << 20, dtype=torch.float32)}  # 32 MiB

@@ -165,6 +165,8 @@ def test_metadata_lists_tensors_chunks_and_values(saved):
 
 
 def test_default_paths_never_open_a_torch_dcp_checkpoint(saved):
+    with pytest.raises(hyperdcp.FormatError, match='torch.distributed.checkpoint.*source="torch-dcp"'):
+        hyperdcp.read_metadata(os.path.join(saved, "safetensors"))  # torch's sharded safetensors: named, not read
     with pytest.raises(hyperdcp.FormatError, match='source="torch-dcp"'):
         hyperdcp.load({"step": 0}, os.path.join(saved, "fsdp"))
     with pytest.raises(hyperdcp.FormatError, match='source="torch-dcp"'):

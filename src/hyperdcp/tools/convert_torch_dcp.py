@@ -32,6 +32,7 @@ from ..core.boxes import Box
 from ..errors import CheckpointExistsError, CorruptionError, StorageError
 from ..format.metadata import DEFAULT_BLOCK_BYTES, ChunkTable, FileMeta, Metadata, TensorMeta
 from ..loading.reads import read_box
+from ..planning.load_plan import TensorIndex
 from ..results import ConvertResult
 from ..sources.base import open_source
 from ..sources.torch_dcp import TorchDcpSource
@@ -221,6 +222,7 @@ def hyperdcp_to_torch_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, ove
     meta = source.metadata
     tmp = _prepare_dcp_dir(dst, overwrite)
     files = source.reader()
+    index = TensorIndex(meta)  # one box index per tensor, built once
     sdm: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     planner: dict[str, tuple] = {}
@@ -234,7 +236,7 @@ def hyperdcp_to_torch_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, ove
                 boxes = [c.box(i) for i in range(len(c))] or [Box((0,) * len(t.shape), tuple(t.shape))]
                 chunks = []
                 for i, box in enumerate(boxes):
-                    raw = read_box(files, meta, name, box, verify=source.verifiable)
+                    raw = read_box(files, meta, name, box, verify=source.verifiable, index=index)
                     tensor = torch.frombuffer(bytearray(raw), dtype=dt) if raw.size else torch.empty(0, dtype=dt)
                     start = out.tell()
                     torch.save(tensor.reshape(box.lengths), out)
