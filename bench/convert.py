@@ -58,7 +58,7 @@ def generate(path: str, size_gb: float, seed: int = 0) -> int:
     head += b" " * (-len(head) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
-        for _, code, shape, n in specs:
+        for _, _code, _shape, n in specs:
             a = rng.standard_normal(n // 4, dtype=np.float32)
             f.write(a.tobytes())  # BF16 tensors get random bit patterns of the same size
     return total

@@ -62,15 +62,15 @@ def test_index_finds_exactly_the_overlapping_boxes():
             lens.append((r1 - r0, c1 - c0))
     offs, lens = np.array(offs), np.array(lens)
     for grid in (True, False):
-        o, l = (offs, lens) if grid else (np.vstack([offs[:1], [[0, 2]], offs[2:]]), lens)
+        o, ln = (offs, lens) if grid else (np.vstack([offs[:1], [[0, 2]], offs[2:]]), lens)
         if not grid:
             # non-grid: split the second box differently so the layout is not a grid
             o = np.array([[0, 0], [0, 2], [3, 0], [3, 3], [7, 0], [7, 2]])
-            l = np.array([[3, 2], [3, 4], [4, 3], [4, 3], [3, 2], [3, 4]])
-        check_exact_cover("t", shape, o, l)
-        idx = BoxIndex(shape, o, l)
+            ln = np.array([[3, 2], [3, 4], [4, 3], [4, 3], [3, 2], [3, 4]])
+        check_exact_cover("t", shape, o, ln)
+        idx = BoxIndex(shape, o, ln)
         for _ in range(50):
             a = rng.integers(0, 10), rng.integers(0, 6)
             q = Box(a, (int(rng.integers(1, 11 - a[0])), int(rng.integers(1, 7 - a[1]))))
-            want = {i for i in range(len(o)) if q.intersect(Box(tuple(o[i]), tuple(l[i]))) is not None}
+            want = {i for i in range(len(o)) if q.intersect(Box(tuple(o[i]), tuple(ln[i]))) is not None}
             assert set(idx.query(q).tolist()) == want

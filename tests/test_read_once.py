@@ -181,7 +181,8 @@ def _transports(rank, world, path, hosts):
         os.environ["HYPERDCP_READ_ONCE_SHM"] = "0" if label == "off" else "1"
         for case, state in (("same", make_state(mesh, _hsdp, zeros=True)),
                             ("cols", make_state(mesh1, lambda name, nd: [Shard(nd - 1)], zeros=True))):
-            n = hyperdcp.load(state, path, read_once=True, **opts).bytes_read
+            kw = {k: v.format(rank=rank, half=rank % 2) if isinstance(v, str) else v for k, v in opts.items()}
+            n = hyperdcp.load(state, path, read_once=True, **kw).bytes_read
             check_state(state)
             s = seen[-1]
             shm = s.shm
@@ -203,6 +204,8 @@ def test_same_host_shared_memory_and_cross_host_p2p(ckpt):
         ("two", "h{half}", {}),
         ("four", "h{rank}", {}),
         ("off", None, {}),
+        ("four-opt", None, {"host_id": "h{rank}"}),  # the same through LoadOptions instead of the environment
+        ("off-opt", None, {"shared_memory": False}),
     ]
     res = run_ranks(4, _transports, ckpt, hosts, timeout=240)
     for key in res[0]:
@@ -213,6 +216,8 @@ def test_same_host_shared_memory_and_cross_host_p2p(ckpt):
         assert r0[("one-small", case)][1] > 0 and r0[("one-small", case)][3] > 2
         assert r0[("four", case)][1] == 0 and r0[("four", case)][2] > 0  # all point to point
         assert r0[("off", case)][1] == 0 and r0[("off", case)][2] > 0  # HYPERDCP_READ_ONCE_SHM=0
+        assert r0[("four-opt", case)][1:3] == r0[("four", case)][1:3]
+        assert r0[("off-opt", case)][1:3] == r0[("off", case)][1:3]
     assert r0[("two", "cols")][1] > 0 and r0[("two", "cols")][2] > 0  # both transports in one load
 
 

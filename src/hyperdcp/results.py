@@ -1,11 +1,38 @@
 """What the public calls return: :class:`LoadResult` (load), :class:`VerifyReport` (verify_checkpoint),
-:class:`ConvertResult` (the conversions). ``SaveResult`` still lives in :mod:`hyperdcp.saving`."""
+:class:`ConvertResult` (the conversions), :class:`SaveResult` (save, and async_save's future)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from .format.metadata import Metadata
+from .storage.commit import load_metadata
+
+
+@dataclass
+class SaveResult:
+    """What :func:`hyperdcp.save` returns on every rank."""
+
+    path: str
+    rank: int
+    world_size: int
+    bytes_written: int  # by this rank
+    files_written: list[str]
+    plan_cache_hit: bool
+    seconds: float
+    _metadata: Metadata | None = field(default=None, repr=False)
+
+    @property
+    def metadata(self) -> Metadata:
+        """The committed metadata (read from disk on ranks other than 0)."""
+        if self._metadata is None:
+            self._metadata = load_metadata(self.path)
+        return self._metadata
+
+    def __repr__(self) -> str:
+        return (f"SaveResult(path={self.path!r}, rank={self.rank}, world_size={self.world_size}, "
+                f"bytes_written={self.bytes_written}, files_written={len(self.files_written)}, "
+                f"plan_cache_hit={self.plan_cache_hit}, seconds={self.seconds:.3f})")
 
 
 @dataclass

@@ -197,7 +197,7 @@ def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, roo
 
     # warm-up: uninterrupted saves give the previous checkpoint and calibrate the commit latency
     prev, step = -1, 0
-    for w in range(max(1, warmup)):
+    for _ in range(max(1, warmup)):
         path = os.path.join(root, f"step-{step}")
         r = Ranks(world, worker, root, step, mode, coordination, timeout, env=env)
         _wait_ready(ready_files(step), time.monotonic() + 120)

@@ -7,23 +7,22 @@ or ("dead", exitcode) / ("hung", None).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue as _queue
 import tempfile
 import time
 
-from tests.dist import _entry
+from tests.dist import _context, _entry
 
 
 class Ranks:
     def __init__(self, world: int, fn, *args, env: dict | None = None):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.q = ctx.Queue()
         fd, self.store = tempfile.mkstemp(prefix="hyperdcp-store-")
         os.close(fd)
         os.unlink(self.store)
-        self.procs = [ctx.Process(target=_entry, args=(fn, r, world, self.store, self.q, args, dict(env or {})), daemon=True)
+        self.procs = [ctx.Process(target=_entry, args=(fn, r, world, self.store, self.q, args, {**os.environ, **(env or {})}), daemon=True)
                       for r in range(world)]
         for p in self.procs:
             p.start()

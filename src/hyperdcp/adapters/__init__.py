@@ -3,7 +3,8 @@
 The core never imports a framework. Adapters are registered by the module of their framework and picked
 through ``sys.modules``: an adapter whose framework is not loaded in the process is never consulted (and
 its module never imported), so numpy-only users never import torch. See :mod:`.base` for the protocol and
-its call order. numpy arrays are handled by :mod:`.numpy`; torch tensors and DTensors by :mod:`.torch`.
+its call order. numpy arrays are handled by :mod:`.numpy`; torch tensors and DTensors by :mod:`.torch`;
+MindSpore Tensors, Parameters and layout slices by :mod:`.mindspore`.
 
     to_sharded(fqn, value, coord, for_load)   # the adapter that owns value
     is_tensor_like(value) / describe(value)    # for walking state dicts and for messages
@@ -69,7 +70,8 @@ class _NumpyAdapter:
 
 def _builtin() -> list[Adapter]:
     """The adapters in the order they are asked: numpy first (always loaded), then the frameworks."""
-    return [_NumpyAdapter(), _ModuleAdapter("torch", ".torch", ".torch_staging")]
+    return [_NumpyAdapter(), _ModuleAdapter("torch", ".torch", ".torch_staging"),
+            _ModuleAdapter("mindspore", ".mindspore")]
 
 
 def _registry() -> list[Adapter]:

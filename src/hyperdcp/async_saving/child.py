@@ -64,14 +64,12 @@ def _gloo_coordinator(msg: dict):
     """
     from datetime import timedelta
 
-    import torch.distributed as dist
-
-    from ..coordination.torch_dist import TorchCoordinator
+    from ..coordination.torch_dist import TorchCoordinator, join_gloo_group, leave_group, open_store
 
     timeout = timedelta(seconds=float(msg.get("timeout") or 600))
     store = _state().store
     if store is None:
-        store = _state().store = dist.TCPStore(msg["host"], int(msg["port"]), is_master=False, timeout=timeout)
+        store = _state().store = open_store(msg["host"], int(msg["port"]), timeout_s=timeout.total_seconds())
     base, seq, W = msg["rdzv_prefix"], int(msg["seq"]), int(msg["world_size"])
     vote = f"{base}/vote/{seq}"
     want = 1 if (_state().pg_prefix is None or _state().group_suspect) else 0
@@ -111,14 +109,10 @@ def _gloo_coordinator(msg: dict):
         ) from e
     if store.add(f"{vote}/new-group", 0) > 0:
         if _state().pg_prefix is not None:
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group is replaced anyway
-                pass
+            leave_group()
             _state().pg_prefix = None
         prefix = f"{base}/g{seq}"
-        dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=msg["rank"], world_size=W,
-                                timeout=timeout)
+        join_gloo_group(store, prefix, int(msg["rank"]), W, timeout.total_seconds())
         _state().pg_prefix = prefix
     _state().group_suspect = True  # until this save succeeds
     return TorchCoordinator()
@@ -130,13 +124,11 @@ def _watch_abort(msg: dict, conn: Connection, send_lock: threading.Lock, stop: t
     A collective blocked on that peer may never return, so this thread reports the error to the
     training process and ends this (now unusable) persist process; the next save starts a new one.
     """
-    from datetime import timedelta
-
-    import torch.distributed as dist
+    from ..coordination.torch_dist import open_store
 
     key = f"hyperdcp-abort/{msg['rdzv_prefix']}/{msg['seq']}"  # the same on every rank
     try:
-        store = dist.TCPStore(msg["host"], int(msg["port"]), is_master=False, timeout=timedelta(seconds=30))
+        store = open_store(msg["host"], int(msg["port"]), timeout_s=30)
     except Exception:  # noqa: BLE001 - no watcher; the group's timeout still bounds the wait
         return
     while not stop.wait(0.2):
@@ -444,12 +436,9 @@ def main(fd: int) -> None:
             if _state().orphan:
                 break
     if _state().pg_prefix is not None:
-        try:
-            import torch.distributed as dist
+        from ..coordination.torch_dist import leave_group
 
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+        leave_group()
     if _state().area is not None:
         _state().area.close()
     os._exit(0)

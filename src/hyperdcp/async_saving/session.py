@@ -91,12 +91,9 @@ class _Session:
         def make() -> bytes:
             host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), 0
             if self.mode == "gloo" and self.world_size > 1:
-                import datetime
+                from ..coordination.torch_dist import open_store
 
-                import torch.distributed as dist
-
-                self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                           timeout=datetime.timedelta(seconds=600))
+                self.store = open_store(host, 0, master=True, timeout_s=600)
                 port = int(self.store.port)
             return json.dumps({"token": secrets.token_hex(8), "host": host, "port": port}).encode()
 
@@ -269,12 +266,9 @@ class _Session:
     def _announce_abort(self, key: str, why: str) -> None:
         """Gloo mode: tell the other persist processes (through the TCPStore) to give up this save."""
         try:
-            import datetime
+            from ..coordination.torch_dist import open_store
 
-            import torch.distributed as dist
-
-            store = self.store or dist.TCPStore(self.host, self.port, is_master=False,
-                                                timeout=datetime.timedelta(seconds=30))
+            store = self.store or open_store(self.host, self.port, timeout_s=30)
             store.set(key, why.encode())
         except Exception:  # noqa: BLE001 - the others still fail at their group's timeout
             pass

@@ -65,7 +65,7 @@ class Coordinator(ABC):
         """Whether ``flag`` is set on any rank (one small collective)."""
         return any(b == b"1" for b in self.all_gather(b"1" if flag else b"0"))
 
-    def arrive(self, what: str) -> None:
+    def arrive(self, what: str) -> None:  # noqa: B027 - an optional hook: the default does nothing
         """Wait for every rank to enter ``what`` (a save or load); raise CoordinationError naming the
         ranks that did not arrive within the timeout. No-op where ranks cannot go missing."""
 

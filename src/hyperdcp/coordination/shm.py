@@ -220,9 +220,14 @@ def unlink_live() -> None:
 _unlink_live = unlink_live  # old private name
 
 
-def host_key() -> str:
-    """What ranks sharing a host (and its /dev/shm) have in common; ``HYPERDCP_HOST`` overrides it."""
-    forced = os.environ.get("HYPERDCP_HOST")
+def host_key(forced: str | None = None) -> str:
+    """What ranks sharing a host (and its /dev/shm) have in common.
+
+    ``forced`` (``LoadOptions.host_id``, whose default is ``HYPERDCP_HOST``) overrides it; ``None`` reads
+    the environment for callers without options.
+    """
+    if forced is None:
+        forced = os.environ.get("HYPERDCP_HOST")
     if forced:
         return "forced:" + forced
     try:
@@ -237,9 +242,12 @@ def host_key() -> str:
     return f"{socket.gethostname()}|{boot}|{dev}"
 
 
-def shm_enabled() -> bool:
-    """Whether read-once may use /dev/shm (``HYPERDCP_READ_ONCE_SHM=0`` turns it off)."""
-    if os.environ.get("HYPERDCP_READ_ONCE_SHM", "1").strip().lower() in ("0", "false", "no", "off"):
+def shm_enabled(allowed: bool | None = None) -> bool:
+    """Whether read-once may use /dev/shm: ``allowed`` (``LoadOptions.shared_memory``, whose default is
+    ``HYPERDCP_READ_ONCE_SHM``) and a writable /dev/shm; ``None`` reads the environment."""
+    if allowed is None:
+        allowed = os.environ.get("HYPERDCP_READ_ONCE_SHM", "1").strip().lower() not in ("0", "false", "no", "off")
+    if not allowed:
         return False
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
 

@@ -331,3 +331,29 @@ class TorchCoordinator(Coordinator):
         """Wait for every handle of :meth:`isend`, :meth:`irecv` and :meth:`broadcast_in`."""
         for h in handles:
             self._call(h.wait)
+
+
+# --------------------------------------------------------------------------------------------------
+# The TCPStore and gloo group of async-save persist processes (used by hyperdcp.async_saving).
+
+
+def open_store(host: str, port: int, *, master: bool = False, timeout_s: float = 600.0):
+    """A TCPStore: the server (``master=True``, ``port`` 0 picks a free port) or a client of it."""
+    if master:
+        return dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s))
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def join_gloo_group(store, prefix: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Make this process's default group a gloo group formed through ``store`` under ``prefix``."""
+    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def leave_group() -> None:
+    """Destroy this process's default group; a group that is already broken is dropped quietly."""
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a broken group is replaced (or the process ends) anyway
+        pass

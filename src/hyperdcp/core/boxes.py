@@ -46,9 +46,9 @@ class Box:
         """The common box, or None when the two do not overlap (touching is not overlapping)."""
         lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
         hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends))
-        if any(h <= l for l, h in zip(lo, hi)):
+        if any(h <= lo_d for lo_d, h in zip(lo, hi)):
             return None
-        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+        return Box(lo, tuple(h - lo_d for lo_d, h in zip(lo, hi)))
 
     def relative_to(self, outer: "Box") -> "Box":
         """This box in the coordinates of ``outer`` (which must contain it)."""

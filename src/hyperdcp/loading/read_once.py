@@ -390,9 +390,9 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
         check_all(coord, plan_what, plan_error)
         execute_local_reads(files, meta, group_reads(meta, pieces, opts.verify_checksums), opts)
         return None
-    seg, extra = None, {"host": host_key(), "shm": "", "shm_free": 0}
+    seg, extra = None, {"host": host_key(opts.host_id or ""), "shm": "", "shm_free": 0}
     size = presize(meta, opts.read_once_batch_bytes)
-    if shm_enabled():
+    if shm_enabled(opts.shared_memory):
         try:
             seg = Segment(size)
             extra.update(shm=seg.name, shm_free=free_bytes(SHM_DIR))

@@ -6,7 +6,8 @@ Call order: ``staged = stage(state_dict, coord)``, then ``persist(coord, staged,
 every rank (or ``persist_alone`` on each rank, then ``finalize``).
 """
 
-from .flow import SaveResult, build_metadata, persist
+from ..results import SaveResult
+from .flow import build_metadata, persist
 from .stage import StagedState, check_storable, stage
 from .write import WrittenFile, write_assigned, write_data_file
 

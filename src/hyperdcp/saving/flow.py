@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -37,38 +36,13 @@ from ..format.metadata import ChunkTable, FileMeta, Metadata, TensorMeta
 from ..format.safetensors import save_token
 from ..options import SaveOptions
 from ..planning.save_plan import GlobalPlan, LocalPlan, PerRank, PlanCache, classify_per_rank, plan_global
+from ..results import SaveResult
 from ..storage.base import SaveStaging, Storage
-from ..storage.commit import load_metadata  # the hyperdcp source once it exists (P2)
 from ..storage.identity import DIGEST_BYTES, mismatch_among, path_digest
 from ..storage.local import LocalStorage
 from . import write
 from .stage import StagedState
 
-
-@dataclass
-class SaveResult:
-    """What :func:`hyperdcp.save` returns on every rank."""
-
-    path: str
-    rank: int
-    world_size: int
-    bytes_written: int  # by this rank
-    files_written: list[str]
-    plan_cache_hit: bool
-    seconds: float
-    _metadata: Metadata | None = field(default=None, repr=False)
-
-    @property
-    def metadata(self) -> Metadata:
-        """The committed metadata (read from disk on ranks other than 0)."""
-        if self._metadata is None:
-            self._metadata = load_metadata(self.path)
-        return self._metadata
-
-    def __repr__(self) -> str:
-        return (f"SaveResult(path={self.path!r}, rank={self.rank}, world_size={self.world_size}, "
-                f"bytes_written={self.bytes_written}, files_written={len(self.files_written)}, "
-                f"plan_cache_hit={self.plan_cache_hit}, seconds={self.seconds:.3f})")
 
 def build_metadata(plan: GlobalPlan, results: list[bytes], values: dict, opts: SaveOptions,
                    per_rank_values: Sequence[str] = ()) -> Metadata:

@@ -25,10 +25,10 @@ from ..format import rank_files
 from ..format.metadata import METADATA_FILE, Metadata, max_metadata_bytes
 from ..format.safetensors import save_token
 from ..options import SaveOptions
+from ..results import SaveResult
 from ..storage.base import Storage
 from ..storage.local import LocalStorage
 from . import write
-from .flow import SaveResult
 from .stage import StagedState
 
 
@@ -90,7 +90,26 @@ def merge_at(storage: Storage) -> Metadata:
 
 
 def finalize(path: str, storage: Storage | None = None) -> Metadata:
-    """Write the merged metadata of a complete no-collectives checkpoint as its ``hyperdcp.json``."""
+    """Write the merged metadata of a complete no-collectives checkpoint as its ``hyperdcp.json``.
+
+    Call it once, from any one process, after every rank's ``async_save(..., coordination="none")``
+    future has completed (loads of an unfinalized save merge the rank files on the fly).
+
+    Args:
+        path: the checkpoint directory every rank saved to.
+        storage: where it lives (default: the local directory ``path``).
+
+    Returns:
+        the committed :class:`~hyperdcp.Metadata`.
+
+    Raises:
+        IncompleteCheckpointError: a rank's record is missing (names the ranks); FormatError: a damaged
+        rank record; MismatchError: ranks saved one whole tensor with different contents.
+
+    Example::
+
+        hyperdcp.finalize("ckpt/step-100")
+    """
     storage = storage if storage is not None else LocalStorage(path)
     try:
         meta = merge_at(storage)

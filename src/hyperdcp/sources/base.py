@@ -263,6 +263,18 @@ def open_source(path, *, kind: str = "auto") -> Source:
     kind's reason appended. ``kind="hyperdcp"``, ``"huggingface"`` or ``"torch-dcp"`` opens that kind only (torch DCP is
     opt-in: reading it unpickles ``.metadata`` with a restricted unpickler, so ``"auto"`` never opens it).
 
+    Args:
+        path: a checkpoint directory, a ``.safetensors`` file, a HuggingFace model directory or hub
+            snapshot, or an fsspec URL of a committed hyperdcp checkpoint.
+        kind: ``"auto"`` or the name of one kind.
+
+    Returns:
+        a :class:`Source`: its ``metadata`` (tensors, chunks, values), ``verifiable``, and ``reader()``.
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``path``; IncompleteCheckpointError: an interrupted save;
+        FormatError: damaged metadata; ValueError: an unknown ``kind`` (the message lists the known ones).
+
     Example::
 
         src = hyperdcp.open_source("ckpt/step-100")

@@ -147,5 +147,5 @@ class Storage(ABC):
     def begin_in_place(self, rank: int) -> SaveFiles:
         """Write files straight under the location (no-collectives mode: each rank alone, record last)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook: the default does nothing
         """Release open handles (a storage stays usable: it reopens on the next read)."""

@@ -63,6 +63,25 @@ def hf_to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool
     Each source shard becomes one data file; tensors are copied in pieces of ``buffer_bytes`` by
     ``threads`` threads (memory: about threads x buffer_bytes), checksummed as written, then committed
     atomically like any save.
+
+    Args:
+        src: a ``.safetensors`` file, a model directory (with or without an index) or a hub snapshot.
+        dst: the checkpoint directory to create.
+        overwrite: replace an existing checkpoint at ``dst`` (atomically, as a save does).
+        threads, buffer_bytes: copy parallelism and piece size.
+        checksum_block_bytes: checksum block size (default: the format's).
+        quiet: no progress bar.
+
+    Returns:
+        a :class:`~hyperdcp.ConvertResult` (tensors, bytes, files written, seconds).
+
+    Raises:
+        CheckpointExistsError: ``dst`` exists and ``overwrite`` is False; FormatError: a damaged source
+        file; StorageError: ``dst`` is ``src``'s own directory, or a write failed.
+
+    Example::
+
+        hf_to_hyperdcp("models/llama", "ckpt/step-0")
     """
     from ..format.metadata import DEFAULT_BLOCK_BYTES
     from ..storage.commit import SaveTarget
@@ -256,6 +275,27 @@ def dcp_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size:
     are skipped (listed in the result) or written as tagged JSON to ``values_file``. ``dtype`` casts
     floating tensors (bf16/f16/f32/f64). Memory: about the largest tensor plus ``budget_bytes``
     (tensors in flight across ``threads`` threads).
+
+    Args:
+        src: anything :func:`~hyperdcp.open_source` opens.
+        dst: the output directory (``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` shards
+            plus ``model.safetensors.index.json``).
+        max_shard_size: bytes per shard (an int or ``"5GB"``, ``"500MiB"``).
+        dtype, values_file, include, exclude, strip_prefix: as above.
+        overwrite: replace existing safetensors files in ``dst``.
+        threads, budget_bytes, quiet: parallelism, memory in flight, no progress bar.
+
+    Returns:
+        a :class:`~hyperdcp.ConvertResult` (tensors, bytes, the shard names, skipped values, seconds).
+
+    Raises:
+        CheckpointExistsError: ``dst`` holds safetensors files and ``overwrite`` is False;
+        MismatchError: ``include``/``exclude`` select no tensor, or ``strip_prefix`` leaves a key empty;
+        FormatError: a tensor name safetensors cannot hold; StorageError: a write failed.
+
+    Example::
+
+        hyperdcp_to_hf("ckpt/step-100", "export/", include=["model."], strip_prefix="model.")
     """
     from ..format import values as values_codec
     from ..planning.load_plan import TensorIndex

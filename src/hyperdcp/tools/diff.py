@@ -81,7 +81,24 @@ def _stats(x: np.ndarray, y: np.ndarray, atol: float, rtol: float) -> tuple[floa
 
 
 def diff_sources(a: str, b: str, atol: float = 0.0, rtol: float = 0.0, slab_bytes: int = 32 << 20) -> DiffReport:
-    """Compare two sources; tensors are read in slabs of whole rows along dim 0 (bounded memory)."""
+    """Compare two sources; tensors are read in slabs of whole rows along dim 0 (bounded memory).
+
+    Args:
+        a, b: anything :func:`~hyperdcp.open_source` opens (either may be a HuggingFace directory).
+        atol, rtol: tolerances for floating tensors (0: bit-identical).
+        slab_bytes: memory per slab read from each side.
+
+    Returns:
+        a :class:`DiffReport`: keys only in one side, kind/shape/dtype differences, tensors whose values
+        differ (with their largest difference) and differing plain values; ``equal`` when none.
+
+    Raises:
+        CheckpointError: when either path holds no checkpoint, or a chunk fails its checksum.
+
+    Example::
+
+        assert diff_sources("ckpt/step-100", "export/").equal
+    """
     sa, sb = open_source(a), open_source(b)
     ma, mb = sa.metadata, sb.metadata
     rep = DiffReport(a, b)

@@ -15,7 +15,23 @@ KIND_NAMES = {"hyperdcp": "hyperdcp", "huggingface": "huggingface-safetensors", 
 
 
 def describe(path: str, source: str = "auto") -> dict[str, Any]:
-    """The inspect report of the source at ``path`` (``source``: its kind, see :func:`open_source`)."""
+    """The inspect report of the source at ``path`` as a JSON-serialisable dict (what ``hyperdcp inspect
+    --json`` prints).
+
+    Args:
+        path: anything :func:`~hyperdcp.open_source` opens.
+        source: its kind (``"auto"``, ``"hyperdcp"``, ``"huggingface"``, ``"torch-dcp"``; see open_source).
+
+    Returns:
+        a dict with the source's kind, its tensors (shape, dtype, chunks, bytes), values and totals.
+
+    Raises:
+        CheckpointError: from :func:`~hyperdcp.open_source` when ``path`` holds no checkpoint.
+
+    Example::
+
+        report = describe("ckpt/step-100"); report["tensors"]["w"]["shape"]
+    """
     kind = source
     source = open_source(path, kind=kind)
     meta = source.metadata
