@@ -56,7 +56,7 @@ def _rank(rank, world, args, root):
         torch_dcp_to_hyperdcp(tp, hp)
     dist.barrier()
     cases = {"a_same_layout": (hsdp, [Replicate(), Shard(0)]), "b_1d_shard1": (flat, [Shard(1)])}
-    libs = ["hyperdcp", "torch", "converted"]
+    libs = ["hyperdcp", "torch", "converted"] + (["converted-noverify"] if args.noverify_row else [])
     order = [(case, lib) for rep in range(args.repeat) for case in cases for lib in (libs if rep % 2 == 0 else libs[::-1])]
     results: dict = {}
     for case, lib in order:
@@ -70,8 +70,8 @@ def _rank(rank, world, args, root):
         counted = None
         if lib == "hyperdcp":
             counted = hyperdcp.load(state, tp, source="torch-dcp").bytes_read
-        elif lib == "converted":
-            counted = hyperdcp.load(state, hp).bytes_read
+        elif lib.startswith("converted"):
+            counted = hyperdcp.load(state, hp, verify_checksums=lib == "converted").bytes_read
         else:
             dcp.load(state, checkpoint_id=tp)
         dist.barrier()
@@ -119,6 +119,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--convert-threads", type=int, default=4)
+    ap.add_argument("--noverify-row", action="store_true",
+                    help="also load the converted checkpoint with verify_checksums=False")
     args = ap.parse_args()
     set_rows(args)
     root = tempfile.mkdtemp(prefix="hyperdcp-bench-", dir=args.dir)
