@@ -86,7 +86,7 @@ def torch_dcp(tmp_path):
 
 
 def test_a_torch_dcp_checkpoint_is_named_in_every_error(torch_dcp, capsys):
-    msg = r"torch.distributed.checkpoint \(torch DCP\) checkpoint.*cannot load torch DCP checkpoints yet"
+    msg = r"torch.distributed.checkpoint \(torch DCP\) checkpoint.*only when asked.*source=\"torch-dcp\""
     with pytest.raises(hyperdcp.FormatError, match=msg):
         hyperdcp.read_metadata(torch_dcp)
     with pytest.raises(hyperdcp.FormatError, match=msg):

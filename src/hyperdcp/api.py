@@ -85,7 +85,8 @@ def load(state_dict: Any, path: str | os.PathLike, *, options: LoadOptions | Non
 
     Args:
         state_dict: the destination, laid out as this job wants (any mesh, placements, world size).
-        path: a hyperdcp checkpoint directory, a HuggingFace safetensors file or directory, or an fsspec URL.
+        path: a hyperdcp checkpoint directory, a HuggingFace safetensors file or directory, or an fsspec URL
+            (a torch DCP directory with ``source="torch-dcp"``).
         options: :class:`LoadOptions`; any of its fields may also be given as a keyword (``strict=False``).
         coordinator: the ranks' coordinator (default: torch.distributed when initialized, else one process).
 
@@ -110,12 +111,13 @@ def load(state_dict: Any, path: str | os.PathLike, *, options: LoadOptions | Non
     return _load(state_dict, os.fspath(path), coord, opts)
 
 
-def read_metadata(path: str | os.PathLike) -> Metadata:
+def read_metadata(path: str | os.PathLike, *, source: str = "auto") -> Metadata:
     """The validated metadata of any source; needs no process group.
 
     Args:
         path: a hyperdcp checkpoint (a path or an fsspec URL), a HuggingFace ``.safetensors`` file, model
             directory or hub cache snapshot.
+        source: ``"auto"`` or one kind: ``"hyperdcp"``, ``"huggingface"``, ``"torch-dcp"`` (opt-in, see LoadOptions).
 
     Returns:
         its :class:`Metadata` (tensors, chunks, files, values), the same shape for every kind of source.
@@ -130,4 +132,4 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
         meta = hyperdcp.read_metadata("ckpt/step-100")
         sorted(meta.tensors)
     """
-    return open_source(path).metadata
+    return open_source(path, kind=source).metadata

@@ -67,6 +67,10 @@ class LoadOptions:
     #: read-once: what identifies this rank's host (ranks with the same id share /dev/shm); None: derived from
     #: the host name, boot id and /dev/shm device; default from ``HYPERDCP_HOST``
     host_id: str | None = field(default_factory=lambda: os.environ.get("HYPERDCP_HOST") or None)
+    #: what kind of checkpoint ``path`` is: ``"auto"`` (hyperdcp or HuggingFace, detected; nothing is ever
+    #: unpickled), or one kind by name: ``"hyperdcp"``, ``"huggingface"``, ``"torch-dcp"`` (opt-in: a
+    #: torch.distributed.checkpoint directory, its ``.metadata`` read with a restricted unpickler)
+    source: str = "auto"
 
 
 ASYNC_MODES = ("gloo", "file", "none")

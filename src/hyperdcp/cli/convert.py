@@ -1,5 +1,6 @@
 """``hyperdcp convert hf-to-hyperdcp SRC DST`` and ``hyperdcp convert hyperdcp-to-hf SRC DST``: streaming
-conversions between HuggingFace safetensors and hyperdcp's own checkpoint format (not torch DCP).
+conversions between HuggingFace safetensors and hyperdcp's own checkpoint format; ``torch-dcp-to-hyperdcp``
+and ``hyperdcp-to-torch-dcp``: the same with torch.distributed.checkpoint directories.
 
 ``hf-to-dcp`` and ``dcp-to-hf`` are kept as aliases of the two directions.
 """
@@ -10,11 +11,13 @@ import sys
 
 #: direction -> its old spelling, kept as an alias
 DIRECTIONS = {"hf-to-hyperdcp": "hf-to-dcp", "hyperdcp-to-hf": "dcp-to-hf"}
+#: the torch.distributed.checkpoint directions (no aliases: "dcp" above is hyperdcp's old name)
+TORCH_DIRECTIONS = ("torch-dcp-to-hyperdcp", "hyperdcp-to-torch-dcp")
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "convert", help="convert between HuggingFace safetensors and hyperdcp checkpoints (streaming)",
+        "convert", help="convert between HuggingFace safetensors or torch DCP and hyperdcp checkpoints (streaming)",
         description="Convert checkpoints tensor by tensor with bounded memory and parallel I/O. Tensor bytes "
         "are copied bit for bit (unless --dtype casts them). 'hyperdcp' is this library's checkpoint format "
         "(a directory with hyperdcp.json), not torch.distributed.checkpoint.",
@@ -42,6 +45,23 @@ def register(subparsers) -> None:
                    help="leave out keys starting with PREFIX (repeatable; applied after --include)")
     b.add_argument("--strip-prefix", default=None, metavar="PREFIX",
                    help="remove PREFIX from the start of the exported names (e.g. 'model.')")
+    c = sub.add_parser("torch-dcp-to-hyperdcp", help="torch.distributed.checkpoint directory -> hyperdcp checkpoint",
+                       description="Convert a torch DCP checkpoint (dcp.save / dcp.async_save) into a hyperdcp "
+                       "checkpoint, streaming with bounded memory. Its .metadata is read with a restricted unpickler "
+                       "(torch's metadata records only; anything else is refused by name and never executed).")
+    c.add_argument("src", metavar="SRC", help="torch DCP checkpoint directory (with .metadata)")
+    c.add_argument("dst", metavar="DST", help="hyperdcp checkpoint directory to create")
+    d = sub.add_parser("hyperdcp-to-torch-dcp", help="hyperdcp checkpoint -> torch.distributed.checkpoint directory",
+                       description="Write a checkpoint that torch.distributed.checkpoint.load reads (needs torch).")
+    d.add_argument("src", metavar="SRC", help="hyperdcp checkpoint directory (or HF safetensors)")
+    d.add_argument("dst", metavar="DST", help="torch DCP directory to create")
+    for x in (c, d):
+        x.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+        x.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+        x.set_defaults(func=run)
+    c.add_argument("--threads", type=int, default=4, help="parallel I/O threads (default 4)")
+    c.add_argument("--no-crc", action="store_true",
+                   help="skip checking each storage against the CRC-32 torch recorded (faster, unchecked)")
     for x in (a, b):
         x.add_argument("--overwrite", action="store_true", help="replace an existing destination")
         x.add_argument("--threads", type=int, default=4, help="parallel I/O threads (default 4)")
@@ -58,9 +78,22 @@ def run(args) -> int:
     from ._text import parse_dtype, parse_size, safe
 
     direction = {old: new for new, old in DIRECTIONS.items()}.get(args.direction, args.direction)
-    threads = max(1, args.threads)
+    threads = max(1, getattr(args, "threads", 1))
     hint = ""
-    if direction == "hf-to-hyperdcp":
+    if direction in TORCH_DIRECTIONS:
+        from ..tools.convert_torch_dcp import hyperdcp_to_torch_dcp, torch_dcp_to_hyperdcp
+
+        if direction == "torch-dcp-to-hyperdcp":
+            r = torch_dcp_to_hyperdcp(args.src, args.dst, overwrite=args.overwrite, threads=threads, quiet=args.quiet,
+                                      check_crc=not args.no_crc)
+        else:
+            r = hyperdcp_to_torch_dcp(args.src, args.dst, overwrite=args.overwrite, quiet=args.quiet)
+        if r.skipped_values:
+            shown = ", ".join(safe(v) for v in r.skipped_values[:10]) + (" ..." if len(r.skipped_values) > 10 else "")
+            print(f"left out {len(r.skipped_values)} entr{'y' if len(r.skipped_values) == 1 else 'ies'} the other "
+                  f"format cannot hold or hyperdcp does not read (see hyperdcp inspect --source torch-dcp): {shown}",
+                  file=sys.stderr)
+    elif direction == "hf-to-hyperdcp":
         r = hf_to_dcp(args.src, args.dst, overwrite=args.overwrite, threads=threads, quiet=args.quiet)
     else:
         try:

@@ -19,6 +19,9 @@ def register(subparsers) -> None:
     )
     p.add_argument("path", metavar="PATH", help="hyperdcp checkpoint (path or URL), HF model directory, hub snapshot or .safetensors file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--source", default="auto", choices=["auto", "hyperdcp", "huggingface", "torch-dcp"],
+                   help="the checkpoint's kind (default: detected; torch-dcp is never detected, as reading it "
+                   "unpickles .metadata with a restricted unpickler: pass --source torch-dcp for it)")
     p.set_defaults(func=run)
 
 
@@ -30,7 +33,7 @@ def run(args) -> int:
     from ._text import human_size as _human
     from ._text import safe
 
-    rep = describe(args.path)
+    rep = describe(args.path, args.source)
     if args.json:
         json.dump(rep, sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -47,6 +50,9 @@ def run(args) -> int:
     if rep["kind"] == "hyperdcp":
         out.append(f"format: hyperdcp v{rep['format_version']} (written by hyperdcp {rep['library_version']}), "
                    f"saved by {rep['world_size']} rank(s)")
+    elif rep["kind"] == "torch-dcp":
+        out.append("format: torch.distributed.checkpoint (torch DCP), read with a restricted unpickler (no saving "
+                   "world size recorded)")
     else:
         out.append("format: HuggingFace safetensors (no saving world size recorded)")
     out.append(f"total: {tot['tensors']} tensors, {tot['tensor_bytes']} bytes ({_human(tot['tensor_bytes'])}), "
@@ -55,5 +61,7 @@ def run(args) -> int:
     if rep["values"]:
         shown = ", ".join(safe(v) for v in rep["values"][:20]) + (" ..." if len(rep["values"]) > 20 else "")
         out.append(f"values: {shown}")
+    for key, why in list(rep.get("unreadable", {}).items())[:20]:
+        out.append(f"not readable by hyperdcp: {safe(key)}: {safe(why)}")
     print("\n".join(out))
     return 0

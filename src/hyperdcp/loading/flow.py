@@ -18,7 +18,7 @@ from typing import Any
 
 from ..adapters.state_dict import leaves_for_load
 from ..coordination.base import Coordinator, run_checked
-from ..errors import MismatchError, StateDictError
+from ..errors import FormatError, MismatchError, StateDictError
 from ..format.metadata import Metadata
 from ..options import LoadOptions
 from ..planning.load_plan import group_reads
@@ -66,7 +66,7 @@ def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> L
     if opts.per_rank is not None and opts.per_rank not in ("rank0", "drop") and not callable(opts.per_rank):
         raise TypeError(f"per_rank must be None, 'rank0', 'drop' or fn(key, rank, world_size, saved_ranks), got "
                         f"{opts.per_rank!r}")
-    source, wrong_path = share_source(coord, path)  # wrong_path: raised by the planning step, everywhere
+    source, wrong_path = share_source(coord, path, opts.source)  # wrong_path: raised by the planning step, everywhere
     meta, files = source.metadata, source.reader()  # HF sources: the directory of the files; URLs: RemoteFiles
     if opts.key_map is not None:
         meta = rename_keys(meta, opts.key_map)
@@ -85,6 +85,11 @@ def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> L
                 )
             leaves, finish = leaves_for_load(state_dict)
             targets = plan_targets(leaves, meta, coord, opts)
+            unreadable = [k for k in targets.missing if k in getattr(source, "unreadable", {})]
+            if unreadable:  # torch DCP entries hyperdcp does not decode (pickled objects, ...)
+                k = unreadable[0]
+                raise FormatError(f"{k!r} in {path!r} is {source.unreadable[k]}; drop it from the state dict (or pass "
+                                  f"strict=False to leave it untouched){f' ({len(unreadable) - 1} more)' if len(unreadable) > 1 else ''}")
             if targets.missing and opts.strict:
                 raise MismatchError(
                     f"{len(targets.missing)} key(s) of the state dict are not in checkpoint {path!r}: "

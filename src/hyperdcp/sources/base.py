@@ -238,10 +238,17 @@ def kinds() -> list[type[Source]]:
     return [HyperdcpSource, HuggingFaceSource]
 
 
+def opt_in_kinds() -> list[type[Source]]:
+    """Kinds opened only when asked for by name (``kind="torch-dcp"``): never probed automatically."""
+    from .torch_dcp import TorchDcpSource
+
+    return [TorchDcpSource]
+
+
 def source_from_bytes(raw: bytes) -> Source:
     """The source that :meth:`Source.to_bytes` encoded (on a rank other than the one that opened it)."""
     kind, sep, payload = bytes(raw).partition(b"\0")
-    for cls in kinds():
+    for cls in kinds() + opt_in_kinds():
         if sep and cls.kind.encode() == kind:
             return cls.from_payload(payload)
     raise CorruptionError(f"received a source description of unknown kind {kind[:40]!r} from rank 0; every rank "
@@ -253,7 +260,8 @@ def open_source(path, *, kind: str = "auto") -> Source:
 
     ``kind="auto"`` probes the kinds in order (hyperdcp, then HuggingFace); when none matches, the
     hyperdcp kind's own error (not found, incomplete save, torch DCP, ...) is raised with every other
-    kind's reason appended. ``kind="hyperdcp"`` or ``"huggingface"`` opens that kind only.
+    kind's reason appended. ``kind="hyperdcp"``, ``"huggingface"`` or ``"torch-dcp"`` opens that kind only (torch DCP is
+    opt-in: reading it unpickles ``.metadata`` with a restricted unpickler, so ``"auto"`` never opens it).
 
     Args:
         path: a checkpoint directory, a ``.safetensors`` file, a HuggingFace model directory or hub
@@ -276,6 +284,7 @@ def open_source(path, *, kind: str = "auto") -> Source:
     table = kinds()
     names = [c.kind for c in table]
     if kind != "auto":
+        table, names = table + opt_in_kinds(), names + [c.kind for c in opt_in_kinds()]
         if kind not in names:
             raise ValueError(f"unknown source kind {kind!r}; use 'auto' or one of {names}")
         return table[names.index(kind)].open(path)
@@ -296,7 +305,7 @@ def open_source(path, *, kind: str = "auto") -> Source:
         raise e from None
 
 
-def share_source(coord, path: str) -> tuple[Source, Exception | None]:
+def share_source(coord, path: str, kind: str = "auto") -> tuple[Source, Exception | None]:
     """Rank 0 opens the source at ``path`` and sends it to every rank; errors raise on every rank.
 
     With several ranks, rank 0's path digest rides on the same broadcast: the second value is this
@@ -310,7 +319,7 @@ def share_source(coord, path: str) -> tuple[Source, Exception | None]:
     opened: list[Source] = []
 
     def read() -> bytes:
-        opened.append(open_source(path))
+        opened.append(open_source(path, kind=kind))
         raw = opened[0].to_bytes()
         return path_digest(path) + raw if tag else raw
 

@@ -255,7 +255,9 @@ def read_source(path: str | os.PathLike) -> HuggingFaceSource:
                 raise FormatError(f"{fpath} holds a tensor with the empty name ''; hyperdcp names every tensor by a "
                                   "non-empty key: rename it (e.g. with safetensors) before loading or converting")
             if tname in tensors:
-                raise FormatError(f"tensor {tname!r} is stored both in {where_of[tname]} and in {name} under {root!r}")
+                hint = ("; these are shards written by torch.distributed.checkpoint (DCP_SHARDING_INFO): load them "
+                        "with source=\"torch-dcp\"" if isinstance(meta, dict) and "DCP_SHARDING_INFO" in meta else "")
+                raise FormatError(f"tensor {tname!r} is stored both in {where_of[tname]} and in {name} under {root!r}{hint}")
             where_of[tname] = name
             tensors[tname] = _whole_tensor(code, shape, fi, begin, end)
     if wm is not None:

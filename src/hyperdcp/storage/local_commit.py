@@ -78,8 +78,10 @@ def torch_dcp_message(path: str) -> str | None:
     except (OSError, ValueError):
         return None
     return (f"{path!r} is a torch.distributed.checkpoint (torch DCP) checkpoint (it has .metadata and no "
-            f"{METADATA_FILE}); hyperdcp cannot load torch DCP checkpoints yet: load it with "
-            "torch.distributed.checkpoint and save it again with hyperdcp.save (or wait for the torch-dcp source)")
+            f"{METADATA_FILE}); hyperdcp reads torch DCP checkpoints only when asked, as that means unpickling "
+            ".metadata (with a restricted unpickler): pass source=\"torch-dcp\" (hyperdcp.load(sd, path, "
+            "source=\"torch-dcp\"), hyperdcp inspect --source torch-dcp PATH), or convert it once with hyperdcp "
+            "convert torch-dcp-to-hyperdcp PATH DST")
 
 
 def _old_copies(parent: str, name: str) -> list[str]:

@@ -11,15 +11,16 @@ from typing import Any
 from ..sources.base import open_source
 
 #: the report's name for each source kind
-KIND_NAMES = {"hyperdcp": "hyperdcp", "huggingface": "huggingface-safetensors"}
+KIND_NAMES = {"hyperdcp": "hyperdcp", "huggingface": "huggingface-safetensors", "torch-dcp": "torch-dcp"}
 
 
-def describe(path: str) -> dict[str, Any]:
+def describe(path: str, source: str = "auto") -> dict[str, Any]:
     """The inspect report of the source at ``path`` as a JSON-serialisable dict (what ``hyperdcp inspect
     --json`` prints).
 
     Args:
         path: anything :func:`~hyperdcp.open_source` opens.
+        source: its kind (``"auto"``, ``"hyperdcp"``, ``"huggingface"``, ``"torch-dcp"``; see open_source).
 
     Returns:
         a dict with the source's kind, its tensors (shape, dtype, chunks, bytes), values and totals.
@@ -31,7 +32,8 @@ def describe(path: str) -> dict[str, Any]:
 
         report = describe("ckpt/step-100"); report["tensors"]["w"]["shape"]
     """
-    source = open_source(path)
+    kind = source
+    source = open_source(path, kind=kind)
     meta = source.metadata
     is_hf = source.kind != "hyperdcp"
     tensors = []
@@ -52,4 +54,5 @@ def describe(path: str) -> dict[str, Any]:
         "totals": {"tensors": len(meta.tensors), "values": len(meta.values), "chunks": meta.num_chunks,
                    "tensor_bytes": meta.tensor_bytes, "files": len(meta.files), "file_bytes": meta.data_file_bytes},
         "user": meta.user,
+        **({"unreadable": dict(sorted(source.unreadable.items()))} if hasattr(source, "unreadable") else {}),
     }
