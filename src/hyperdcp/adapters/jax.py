@@ -52,8 +52,16 @@ def _box(index: tuple, shape: tuple[int, ...]) -> Box:
     return Box(tuple(offs), tuple(lens))
 
 
+def _placement(fqn: str, sharding: Any, shape: tuple[int, ...], world: int) -> tuple[dict, dict, GridLayout | None]:
+    try:
+        return _placement_of(sharding, shape, world)
+    except (ValueError, TypeError) as e:  # jax's IndivisibleError and friends
+        raise StateDictError(f"{fqn!r}: its sharding {sharding} does not fit the shape {shape}: "
+                             f"{str(e).splitlines()[0]}; give it a sharding that divides the shape") from None
+
+
 @lru_cache(maxsize=4096)
-def _placement(sharding: Any, shape: tuple[int, ...], world: int) -> tuple[dict, dict, GridLayout | None]:
+def _placement_of(sharding: Any, shape: tuple[int, ...], world: int) -> tuple[dict, dict, GridLayout | None]:
     """(device -> box, box -> processes holding it, grid layout or None) of ``sharding`` over ``shape``.
 
     Cached per (sharding, shape): a model's arrays share a handful of shardings, so the walk over every
@@ -130,7 +138,7 @@ def to_sharded(fqn: str, value: Any, coord: Any, for_load: bool) -> ShardedTenso
     _check_world(fqn, coord)
     shape = tuple(int(s) for s in value.shape)
     code = _code(fqn, value.dtype)
-    dev_box, replicas, layout = _placement(value.sharding, shape, coord.world_size)
+    dev_box, replicas, layout = _placement(fqn, value.sharding, shape, coord.world_size)
     local = value.addressable_shards
     for s in local:  # start every device-to-host copy before waiting on the first (accelerators)
         try:
@@ -158,7 +166,7 @@ def _for_load(fqn: str, target: JaxTarget, coord: Any) -> ShardedTensor:
     shape = tuple(int(s) for s in leaf.shape)
     np_dtype = np.dtype(leaf.dtype)
     code = _code(fqn, np_dtype)
-    dev_box, replicas, layout = _placement(sharding, shape, coord.world_size)
+    dev_box, replicas, layout = _placement(fqn, sharding, shape, coord.world_size)
     local = [d for d in sharding.addressable_devices if d in dev_box]
     bufs: dict[Box, np.ndarray] = {}
     for d in local:
