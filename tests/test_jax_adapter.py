@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import collections
 import os
+import subprocess
+import sys
+import textwrap
 import traceback
 
 import numpy as np
@@ -70,7 +73,7 @@ def reshard(tmp):
     one = jax.sharding.SingleDeviceSharding(jax.devices()[5])
     for name, pick in {"swapped": lambda v: _ns(m42, "b", "a") if v.ndim == 2 else _ns(m42, "a"),
                        "replicated": lambda v: _ns(m42), "one_device": lambda v: one}.items():
-        target = jax.tree_util.tree_map(lambda v: _put(np.zeros_like(v), pick(v)), ref)
+        target = jax.tree_util.tree_map(lambda v, pick=pick: _put(np.zeros_like(v), pick(v)), ref)
         got = hyperdcp.load(target, os.path.join(tmp, "c"))
         flat_ref = jax.tree_util.tree_leaves(ref)
         flat_got = jax.tree_util.tree_leaves(got.state)
@@ -245,3 +248,22 @@ def test_errors_name_the_key_and_the_fix(outcomes):
 
 def test_async_save_of_a_pytree(outcomes):
     assert _result(outcomes, "async_save") is True
+
+
+def test_core_and_torch_adapter_work_without_jax(tmp_path):
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules["jax"] = None  # any 'import jax' now fails
+        import numpy as np, torch
+        import hyperdcp, hyperdcp.adapters.torch, hyperdcp.coordination
+        state = {{"w": torch.arange(6.0), "n": np.ones(3, np.float32), "step": 1}}
+        hyperdcp.save(state, {str(tmp_path / 'c')!r})
+        back = {{"w": torch.zeros(6), "n": np.zeros(3, np.float32), "step": 0}}
+        res = hyperdcp.load(back, {str(tmp_path / 'c')!r})
+        assert res.state is back and torch.equal(back["w"], state["w"]) and back["step"] == 1
+        assert type(hyperdcp.coordination.default_coordinator()).__name__ == "LocalCoordinator"
+        print("ok")
+        """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
