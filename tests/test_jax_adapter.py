@@ -145,7 +145,7 @@ def replicas_once(tmp):
 
 def errors(tmp):
     """What a user gets wrong, and the message: a ShapeDtypeStruct without a sharding, saving a
-    ShapeDtypeStruct, a key the checkpoint lacks, a shape that differs."""
+    ShapeDtypeStruct, a key the checkpoint lacks, a shape that differs, a 64-bit target JAX would narrow."""
     import jax
 
     from hyperdcp.errors import CheckpointError
@@ -158,6 +158,8 @@ def errors(tmp):
         "save_abstract": lambda: hyperdcp.save({"w": jax.ShapeDtypeStruct((8, 8), np.float32)}, path + "2"),
         "missing": lambda: hyperdcp.load({"v": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=_ns(mesh))}, path),
         "shape": lambda: hyperdcp.load({"w": jax.ShapeDtypeStruct((16, 8), np.float32, sharding=_ns(mesh))}, path),
+        "x64_off": lambda: hyperdcp.load({"w": jax.ShapeDtypeStruct((8, 8), np.float64, sharding=_ns(mesh))}, path,
+                                         allow_cast=True),
     }
     out = {}
     for name, fn in cases.items():
@@ -243,6 +245,7 @@ def test_errors_name_the_key_and_the_fix(outcomes):
     assert got["save_abstract"].startswith("StateDictError") and "'w'" in got["save_abstract"]
     assert got["missing"].startswith("MismatchError") and "'v'" in got["missing"] and "strict=False" in got["missing"]
     assert got["shape"].startswith("MismatchError") and "'w'" in got["shape"]
+    assert got["x64_off"].startswith("StateDictError") and "jax_enable_x64" in got["x64_off"]
     assert got["not_strict_keeps_target"] is True
 
 

@@ -166,6 +166,12 @@ def _for_load(fqn: str, target: JaxTarget, coord: Any) -> ShardedTensor:
     shape = tuple(int(s) for s in leaf.shape)
     np_dtype = np.dtype(leaf.dtype)
     code = _code(fqn, np_dtype)
+    canon = np.dtype(jax.dtypes.canonicalize_dtype(np_dtype))
+    if canon != np_dtype:  # jax would silently narrow the loaded values
+        raise StateDictError(
+            f"cannot load into {fqn!r}: its target dtype is {np_dtype}, which JAX stores as {canon} while "
+            f"jax_enable_x64 is off; enable it (jax.config.update('jax_enable_x64', True)) or give the target "
+            f"dtype {canon} and pass allow_cast=True")
     dev_box, replicas, layout = _placement(fqn, sharding, shape, coord.world_size)
     local = [d for d in sharding.addressable_devices if d in dev_box]
     bufs: dict[Box, np.ndarray] = {}
