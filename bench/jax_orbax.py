@@ -94,7 +94,7 @@ def bench_hyperdcp(tree, root, same, resharded) -> dict:
         r, t = timed(lambda target=target: hyperdcp.load(target, f"{root}/h"))
         jax.block_until_ready(r.state)
         out[name] = t
-        out[name.replace("_s", "_read")] = r.bytes_read
+        out[name[:-2] + "_read"] = r.bytes_read
         check(r.state, tree)
     return out
 
@@ -122,7 +122,7 @@ def bench_orbax(tree, root, same, resharded, replica_parallel) -> dict:
         got, t = timed(lambda target=target: ck.restore(f"{root}/o-{tag}", target))
         jax.block_until_ready(got)
         out[name] = t
-        out[name.replace("_s", "_read")] = rchar() - r0
+        out[name[:-2] + "_read"] = rchar() - r0
         check(got, tree)
     ck.close()
     return out
@@ -137,7 +137,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--dir", default="/tmp/bench-jax")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the full report as JSON")
     args = ap.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
@@ -157,7 +157,6 @@ def main() -> None:
     shutil.rmtree(args.dir, ignore_errors=True)
     if args.json:
         print(json.dumps(report, indent=1))
-        return
     h, o = report["hyperdcp"], report["orbax_default"]
     print(f"{unique / 2**20:.0f} MiB on {report['devices']} CPU devices; load avg {report['load_avg']:.1f} -> "
           f"{report['load_avg_end']:.1f} on {report['cpus']} CPUs")

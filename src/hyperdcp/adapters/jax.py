@@ -8,8 +8,10 @@ device holding that box), so that the save planner writes each box once and load
 
 Loading targets are :class:`~hyperdcp.adapters.jax_tree.JaxTarget` wrappers (made by
 :func:`hyperdcp.adapters.jax_tree.flatten`) around a ``jax.Array`` or a ``jax.ShapeDtypeStruct`` with a
-sharding: the bytes land in one host buffer per distinct box, and ``finish`` builds a *new* array placed
-on the target's devices (JAX arrays are immutable).
+sharding: the bytes land in one host buffer per distinct box -- or, when this process's devices together
+tile one box (all 8 devices of a single process always do), in one buffer for that box, so each stored
+chunk is read in one piece -- and ``finish`` builds a *new* array placed on the target's devices (JAX
+arrays are immutable).
 """
 
 from __future__ import annotations
@@ -174,15 +176,27 @@ def _for_load(fqn: str, target: JaxTarget, coord: Any) -> ShardedTensor:
             f"dtype {canon} and pass allow_cast=True")
     dev_box, replicas, layout = _placement(fqn, sharding, shape, coord.world_size)
     local = [d for d in sharding.addressable_devices if d in dev_box]
-    bufs: dict[Box, np.ndarray] = {}
-    for d in local:
-        box = dev_box[d]
-        if box not in bufs:
-            bufs[box] = np.empty(box.lengths, dtype=np_dtype)
-    shards = [LocalShard(box, flat_bytes(buf), replicas[box]) for box, buf in bufs.items()]
+    distinct = list(dict.fromkeys(dev_box[d] for d in local))
+    union = _union(distinct) if len(distinct) > 1 else None
+    if union is not None:  # this process's devices tile one box: read it once, whole, then slice per device
+        whole = np.empty(union.lengths, dtype=np_dtype)
+        shards = [LocalShard(union, flat_bytes(whole), None)]
+        view = lambda box: whole[box.relative_to(union).slices()]  # noqa: E731
+    else:
+        bufs = {box: np.empty(box.lengths, dtype=np_dtype) for box in distinct}
+        shards = [LocalShard(box, flat_bytes(buf), replicas[box]) for box, buf in bufs.items()]
+        view = bufs.__getitem__
 
     def finish() -> None:
-        arrays = [jax.device_put(bufs[dev_box[d]], d) for d in local]
+        arrays = [jax.device_put(view(dev_box[d]), d) for d in local]
         target.result = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
-    return ShardedTensor(fqn, code, shape, shards, finish=finish, layout=layout)
+    return ShardedTensor(fqn, code, shape, shards, finish=finish, layout=layout if union is None else None)
+
+
+def _union(boxes: list[Box]) -> Box | None:
+    """The box that the distinct, disjoint device boxes ``boxes`` tile exactly, or None if they tile none."""
+    lo = tuple(min(b.offsets[d] for b in boxes) for d in range(boxes[0].ndim))
+    hi = tuple(max(b.ends[d] for b in boxes) for d in range(boxes[0].ndim))
+    outer = Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+    return outer if sum(b.numel for b in boxes) == outer.numel else None
