@@ -109,8 +109,8 @@ def load(state_dict: Any, path: str | os.PathLike, *, options: LoadOptions | Non
     """
     opts = resolve(LoadOptions, options, overrides)
     coord = coordinator or coordinator_for(opts.process_group, opts.timeout)
-    coord.arrive(f"load of {os.fspath(path)!r}")
     flat, rebuild = flatten_tree(state_dict, for_load=True)  # a JAX pytree -> {key: target}
+    coord.arrive(f"load of {os.fspath(path)!r}")
     result = _load(flat, os.fspath(path), coord, opts)
     if rebuild is not None:  # JAX arrays are immutable: the loaded tree is new, the target untouched
         result.state = rebuild(flat)
