@@ -104,7 +104,9 @@ def jax_side(pid, n, src, dst, minilm):
             for part in parents:
                 node = node.setdefault(part, {})
             dtype = jax.dtypes.canonicalize_dtype(v.dtype)  # int64 position ids: int32 without jax_enable_x64
-            node[leaf] = jax.ShapeDtypeStruct(v.shape, dtype, sharding=_jax_sharding(v.shape, mesh))
+            # the word embeddings vocab-parallel (rows over x), the other matrices 2-D (rows over x, columns over y)
+            sh = _jax_sharding(v.shape[:1], mesh) if k.endswith("word_embeddings.weight") else _jax_sharding(v.shape, mesh)
+            node[leaf] = jax.ShapeDtypeStruct(v.shape, dtype, sharding=sh)
         res = hyperdcp.load(tree, os.path.dirname(minilm), allow_cast=True)
         flat = {hyperdcp_key: leaf for hyperdcp_key, leaf in _flat(res.state)}
         assert sorted(flat) == sorted(ref) and not res.missing_keys

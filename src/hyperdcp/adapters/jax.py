@@ -8,11 +8,12 @@ device holding that box), so that the save planner writes each box once and load
 
 Loading targets are :class:`~hyperdcp.adapters.jax_tree.JaxTarget` wrappers (made by
 :func:`hyperdcp.adapters.jax_tree.flatten`) around a ``jax.Array`` or a ``jax.ShapeDtypeStruct`` with a
-sharding: the bytes land in one host buffer per distinct box -- or in one buffer for the box this
-process's devices tile together (a single process's devices always do), when they split only the first
-dim (their views of it are contiguous: free) or the array is large (each stored chunk is then read in one
-piece, never re-read per device box) -- and ``finish`` builds a *new* array placed on the target's
-devices (JAX arrays are immutable).
+sharding: the bytes land in one host buffer per distinct box (read straight into it when a stored chunk
+is that box) -- or, when this process's devices split only the first dim of a box they tile together,
+in one buffer for that box, whose device views are contiguous -- and ``finish`` builds a *new* array
+placed on the target's devices (JAX arrays are immutable). Measured on 8 CPU devices: reading a union
+whose device views are strided costs two extra copies (into the union, then out of it per device), more
+than one buffer per device box.
 """
 
 from __future__ import annotations
@@ -179,9 +180,8 @@ def _for_load(fqn: str, target: JaxTarget, coord: Any) -> ShardedTensor:
     local = [d for d in sharding.addressable_devices if d in dev_box]
     distinct = list(dict.fromkeys(dev_box[d] for d in local))
     union = _union(distinct) if len(distinct) > 1 else None
-    if union is not None and any(b.lengths[1:] != union.lengths[1:] for b in distinct) and \
-            union.numel * np_dtype.itemsize <= _UNION_MIN_BYTES:
-        union = None  # device views would be strided: one buffer per device box reads as fast, copies less
+    if union is not None and any(b.lengths[1:] != union.lengths[1:] for b in distinct):
+        union = None  # device views would be strided: a buffer per device box is read directly, copies less
     if union is not None:  # this process's devices tile one box: read it once, whole, then slice per device
         whole = np.empty(union.lengths, dtype=np_dtype)
         shards = [LocalShard(union, flat_bytes(whole), None)]
@@ -201,11 +201,6 @@ def _for_load(fqn: str, target: JaxTarget, coord: Any) -> ShardedTensor:
 def _contiguous(a: np.ndarray) -> np.ndarray:
     """``a`` C-contiguous (a strided device_put is several times slower than a copy and a plain one)."""
     return a if a.flags.c_contiguous else a.copy(order="C")
-
-
-#: a process whose device boxes split inner dims reads their union whole from this size on: the bounded
-#: staging of loading/reads.py (32 MiB per read) would otherwise re-read the rows each device box shares
-_UNION_MIN_BYTES = 32 << 20
 
 
 def _union(boxes: list[Box]) -> Box | None:
