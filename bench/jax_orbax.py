@@ -81,6 +81,7 @@ def best(key: str, fn, repeat: int | None = None):
     """``fn()`` run ``repeat`` times: (last result, smallest wall time); its CPU time goes to ``CPU[key]``."""
     out, wall, cpu = None, float("inf"), float("inf")
     for _ in range(repeat or REPEAT):
+        out = None  # the previous run's result is freed first: one loaded copy in memory at a time
         c0, t0 = time.process_time(), time.perf_counter()
         out = fn()
         t, c = time.perf_counter() - t0, time.process_time() - c0
