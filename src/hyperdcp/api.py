@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from . import _runtime
+from .adapters import flatten_tree
 from .coordination import default_coordinator
 from .coordination.base import Coordinator
 from .format.metadata import Metadata
@@ -70,6 +71,7 @@ def save(state_dict: Any, path: str | os.PathLike, *, options: SaveOptions | Non
     coord = coordinator or coordinator_for(opts.process_group, opts.timeout)
     coord.arrive(f"save to {path!r}")
     try:
+        state_dict, _ = flatten_tree(state_dict, for_load=False)  # a JAX pytree -> {key: array}
         staged = stage(state_dict, coord)
     except Exception as e:  # noqa: BLE001 - reported on every rank by persist
         staged = e
@@ -84,14 +86,15 @@ def load(state_dict: Any, path: str | os.PathLike, *, options: LoadOptions | Non
     chunks), verified against their checksums.
 
     Args:
-        state_dict: the destination, laid out as this job wants (any mesh, placements, world size).
+        state_dict: the destination, laid out as this job wants (any mesh, placements, world size); or a
+            JAX pytree of arrays / ``jax.ShapeDtypeStruct``s with shardings (new arrays in ``.state``).
         path: a hyperdcp checkpoint directory, a HuggingFace safetensors file or directory, or an fsspec URL
             (a torch DCP directory with ``source="torch-dcp"``).
         options: :class:`LoadOptions`; any of its fields may also be given as a keyword (``strict=False``).
         coordinator: the ranks' coordinator (default: torch.distributed when initialized, else one process).
 
     Returns:
-        The :class:`LoadResult` of this rank (bytes read, missing and unused keys).
+        The :class:`LoadResult` of this rank (bytes read, missing and unused keys, ``.state``: the loaded tree).
 
     Raises:
         CheckpointNotFoundError: nothing at ``path`` (also a ``FileNotFoundError``).
@@ -107,8 +110,12 @@ def load(state_dict: Any, path: str | os.PathLike, *, options: LoadOptions | Non
     """
     opts = resolve(LoadOptions, options, overrides)
     coord = coordinator or coordinator_for(opts.process_group, opts.timeout)
+    flat, rebuild = flatten_tree(state_dict, for_load=True)  # a JAX pytree -> {key: target}
     coord.arrive(f"load of {os.fspath(path)!r}")
-    return _load(state_dict, os.fspath(path), coord, opts)
+    result = _load(flat, os.fspath(path), coord, opts)
+    if rebuild is not None:  # JAX arrays are immutable: the loaded tree is new, the target untouched
+        result.state = rebuild(flat)
+    return result
 
 
 def read_metadata(path: str | os.PathLike, *, source: str = "auto") -> Metadata:

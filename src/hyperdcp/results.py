@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .format.metadata import Metadata
 from .storage.commit import load_metadata
@@ -45,6 +46,8 @@ class LoadResult:
     bytes_read: int = 0  # from storage, by this rank
     seconds: float = 0.0
     metadata: Metadata | None = None
+    #: the loaded state: the state dict itself (torch, numpy: filled in place), or a new pytree (JAX)
+    state: Any = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         return (f"LoadResult(path={self.path!r}, bytes_read={self.bytes_read}, seconds={self.seconds:.3f}, "

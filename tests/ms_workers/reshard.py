@@ -23,14 +23,16 @@ from mindspore.communication import init, release
 
 import hyperdcp
 from hyperdcp.adapters.mindspore import Sharded
-from hyperdcp.adapters.mindspore_comm import MindSporeCoordinator
 from hyperdcp.adapters.mindspore_layout import coordinate, local_box, parse_layout
+from hyperdcp.coordination import default_coordinator
+from hyperdcp.coordination.mindspore_dist import MindSporeCoordinator
 
 ckpt, out = sys.argv[1], sys.argv[2]
 ms.set_context(mode=ms.PYNATIVE_MODE)
 ms.set_device("CPU")
 init()
 coord = MindSporeCoordinator()
+assert isinstance(default_coordinator(), MindSporeCoordinator)  # picked by default after init()
 rank, world = coord.rank, coord.world_size
 
 FULL = {"w": np.arange(8 * 12, dtype=np.float32).reshape(8, 12) - 7.5,
@@ -61,7 +63,7 @@ ok = {}
 for name, (sh, sl) in loaded.items():
     ok[name] = sh.local.asnumpy().tobytes() == np.ascontiguousarray(FULL[name][sl]).tobytes()
 whole = {k: ms.Parameter(ms.Tensor(np.zeros_like(v)), name=k) for k, v in FULL.items()}
-hyperdcp.load(whole, ckpt, coordinator=coord)  # every rank: the full tensors, from everyone's slices
+hyperdcp.load(whole, ckpt)  # the default coordinator; every rank: the full tensors, from everyone's slices
 ok["whole"] = all(whole[k].asnumpy().tobytes() == FULL[k].tobytes() for k in FULL)
 bad = {"w": Sharded(ms.Parameter(ms.Tensor(np.zeros((8, 12 // world + (rank == 1)), np.float32)), name="w"),
                     {"device_matrix": (world,), "tensor_map": (-1, 0)})}

@@ -70,7 +70,7 @@ class _NumpyAdapter:
 
 def _builtin() -> list[Adapter]:
     """The adapters in the order they are asked: numpy first (always loaded), then the frameworks."""
-    return [_NumpyAdapter(), _ModuleAdapter("torch", ".torch", ".torch_staging"),
+    return [_NumpyAdapter(), _ModuleAdapter("torch", ".torch", ".torch_staging"), _ModuleAdapter("jax", ".jax"),
             _ModuleAdapter("mindspore", ".mindspore")]
 
 
@@ -115,6 +115,18 @@ def describe(value: Any) -> str:
     """A short description of ``value`` for error messages."""
     a = _owner(value)
     return a.describe(value) if a is not None else type(value).__name__
+
+
+def flatten_tree(state: Any, for_load: bool) -> tuple[Any, Any]:
+    """``(flat state dict, rebuild)`` when a loaded framework's adapter claims ``state`` as one of its trees
+    (a JAX pytree: :func:`.jax_tree.flatten`), else ``(state, None)``. ``rebuild(flat)`` is the loaded tree."""
+    if sys.modules.get("jax") is not None:
+        from .jax_tree import flatten
+
+        got = flatten(state, for_load)
+        if got is not None:
+            return got
+    return state, None
 
 
 def stager() -> Any:

@@ -75,6 +75,9 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, options: SaveOptions
     opts = resolve(SaveOptions, options, overrides)
     coord = coordinator or coordinator_for(opts.process_group, opts.timeout)
     sess = open_session(coord, aopts.coordination)
+    from ..adapters import flatten_tree
+
+    state_dict, _ = flatten_tree(state_dict, for_load=False)  # a JAX pytree -> {key: array}
     xdir = os.fspath(aopts.exchange_dir) if aopts.exchange_dir else None
     return sess.save(state_dict, path, opts, aopts.wait, xdir)
 

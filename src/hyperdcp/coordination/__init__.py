@@ -22,15 +22,27 @@ __all__ = ["Coordinator", "LocalCoordinator", "RaisedEverywhere", "Transport", "
 
 
 def default_coordinator(process_group: Any = None, timeout: float | None = None) -> Coordinator:
-    """torch.distributed when it is initialized (in the given group), else a single process.
+    """torch.distributed when it is initialized (in the given group), else the JAX distributed runtime
+    when ``jax.distributed.initialize()`` ran (several processes), else MindSpore's communication when
+    ``mindspore.communication.init()`` ran (several ranks), else a single process.
 
-    torch is never imported here: it is used only when the program already imported it.
+    Neither framework is imported here: each is used only when the program already imported it.
     """
     if sys.modules.get("torch") is not None:
         from .torch_dist import TorchCoordinator, torch_distributed_initialized
 
         if torch_distributed_initialized():
             return TorchCoordinator(process_group, timeout)
+    if process_group is None and sys.modules.get("jax") is not None:
+        from .jax_dist import JaxCoordinator, jax_distributed_initialized
+
+        if jax_distributed_initialized():
+            return JaxCoordinator(timeout)
+    if process_group is None and sys.modules.get("mindspore") is not None:
+        from .mindspore_dist import MindSporeCoordinator, mindspore_distributed_initialized
+
+        if mindspore_distributed_initialized():
+            return MindSporeCoordinator()
     if process_group is not None:
         raise CoordinationError("a process_group was given but torch.distributed is not initialized; call "
                                 "torch.distributed.init_process_group() first, or drop process_group=")

@@ -133,6 +133,7 @@ def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> L
         bytes_read=files.bytes_read,
         seconds=time.perf_counter() - t0,
         metadata=meta,
+        state=state_dict,
     )
     from ..logs import log_load
 

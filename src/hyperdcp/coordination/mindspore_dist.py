@@ -21,7 +21,7 @@ import numpy as np
 from mindspore import ops
 from mindspore.communication import GlobalComm, get_group_size, get_rank
 
-from ..coordination.base import Coordinator
+from .base import Coordinator
 
 
 class MindSporeCoordinator(Coordinator):
@@ -62,3 +62,11 @@ class MindSporeCoordinator(Coordinator):
 
     def describe(self) -> str:
         return f"rank {self.rank} of {self.world_size} (MindSpore group {self.group})"
+
+
+def mindspore_distributed_initialized() -> bool:
+    """Whether ``mindspore.communication.init()`` ran in this process with more than one rank."""
+    try:
+        return bool(GlobalComm.INITED) and int(get_group_size()) > 1
+    except Exception:  # noqa: BLE001 - not initialized, or a backend that cannot answer: not distributed
+        return False
