@@ -48,16 +48,18 @@ from ..planning.read_once import (
     Schedule,
     ShmLayout,
     Unit,
+    _own_plan,
     broadcast_groups,
-    build_schedule,
     decode_plan,
-    derive_plans,
     encode_plan,
     layout_digest,
     mark_broadcasts,
     presize,
     shm_layout,
 )
+from ..planning.read_once_local import local_schedule as build_schedule  # (the name tests spy on)
+from ..planning.read_once_local import pad_batches
+from ..planning.read_once_wants import grid_wants, plan_wants
 from ..sources.base import ChunkReader as DataFiles
 from .reads import copy_piece, execute_local_reads, read_chunk
 
@@ -416,41 +418,41 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
                          coord, plan_what, plan_error)
         digests = {_layout_of(h) for h in heads}
         derived = bool(digest) and digests == {digest}
-        if derived:
-            plans = derive_plans(meta, tensors, coord.world_size)
+        me, world = coord.rank, coord.world_size
+        peers = [_peer(h, r) for r, h in enumerate(heads)]
+        hosts, names, frees = [p[0] for p in peers], [p[1] for p in peers], [p[2] for p in peers]
+        local = [r for r, h in enumerate(hosts) if h == hosts[me]]  # this host's ranks share its placement
+        if derived:  # every rank's needs follow from the layouts: only this host's chunks are looked at
+            own = {(ti, ci, box): e for e, (ti, ci, box) in enumerate(_own_plan(meta, pieces))}
+            wants = grid_wants(meta, tensors, world, local, own, me)
         else:
             if digests != {""}:  # some ranks sent only a digest, so the layouts differ: exchange the plans
                 raws = coord.all_gather(encode_plan(meta, pieces, extra))
             plans = [decode_plan(meta, raw, r) for r, raw in enumerate(raws)]
-        if len(plans[coord.rank]) != len(pieces):
-            raise CoordinationError(f"read-once: rank {coord.rank} received a different plan than it sent")
-        peers = [_peer(h, r) for r, h in enumerate(heads)]
-        hosts, names, frees = [p[0] for p in peers], [p[1] for p in peers], [p[2] for p in peers]
-        lines, handles = (broadcast_groups(tensors, coord.rank, coord.world_size, None)
+            if len(plans[me]) != len(pieces):
+                raise CoordinationError(f"read-once: rank {me} received a different plan than it sent")
+            wants = plan_wants(meta, plans, local)
+            del plans
+        del raws
+        sched = build_schedule(meta, wants, opts.verify_checksums, opts.read_once_batch_bytes, me)
+        del wants
+        # every rank runs as many batches as the rank with the most (each batch ends in a collective)
+        pad_batches(sched, max(int(b) for b in coord.all_gather(str(len(sched.batches)).encode())))
+        lines, handles = (broadcast_groups(tensors, me, world, None)
                           if derived and opts.read_once_broadcast else (set(), {}))
-        for _ in range(3):  # a host without room for its readers' slots goes point to point; re-plan for that
-            sched = build_schedule(meta, plans, opts.verify_checksums, opts.read_once_batch_bytes, hosts,
-                                   [bool(n) for n in names])
-            mark_broadcasts(sched, lines, hosts)
-            shm = shm_layout(sched, hosts, names, frees, size)
-            if shm.names == names:
-                break
-            names = shm.names
-        else:
-            sched = build_schedule(meta, plans, opts.verify_checksums, opts.read_once_batch_bytes)
-            mark_broadcasts(sched, lines, hosts)
-            shm = shm_layout(sched, hosts, [""] * len(names), frees, size)
+        mark_broadcasts(sched, lines, hosts)
+        shm = shm_layout(sched, hosts, names, frees, size, local)
         sched.shm = shm
         sched.derived = derived
         if not shm.offset:
             shm = None
-        if seg is not None and (shm is None or not shm.slot[coord.rank]):
+        if seg is not None and (shm is None or not shm.slot[me]):
             seg.close()  # nobody maps it
             seg = None
         ex = _Exchange(files, meta, pieces, coord, opts, sched, shm, seg)
         for u in sched.units:
             if u.bcast and any(n.rank == coord.rank for n in u.needs):
-                members = frozenset(n.rank for n in u.needs)
+                members = frozenset(u.group.tolist())
                 if members not in handles:  # DeviceMesh groups exist for every member: not expected
                     raise CoordinationError(f"read-once: rank {coord.rank} has no process group for ranks "
                                             f"{sorted(members)}; pass read_once_broadcast=False")
