@@ -64,6 +64,7 @@ from ..format.checksums import block_range
 from ..format.metadata import Metadata
 from .load_plan import Piece, TensorIndex, byte_span
 from .read_once_bcast import MeshLines, broadcast_groups, mark_broadcasts  # noqa: F401 - part of this API
+from .read_once_wants import own_plan
 
 _PLAN_VERSION = 1
 
@@ -176,7 +177,7 @@ def layout_digest(meta: Metadata, tensors: Sequence[ShardedTensor] | None, piece
     """
     if tensors is None or any(t.layout is None or not t.layout.valid_for(len(t.shape), world) for t in tensors):
         return ""
-    if derive_plans(meta, tensors, world, only=me)[me] != _own_plan(meta, pieces):
+    if own_plan(meta, tensors, me) != _own_plan(meta, pieces):
         return ""
     names = {name: i for i, name in enumerate(meta.tensors)}
     h = hashlib.blake2b(digest_size=16)

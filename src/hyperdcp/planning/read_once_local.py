@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import zlib
+
 import numpy as np
 
 from ..core import dtypes
@@ -45,7 +46,7 @@ def unit_sizes(total: int, world: int, batch_bytes: int) -> tuple[int, int, int]
 def _units(meta: Metadata, wants: Wants, verify: bool, U: int) -> list[tuple[Unit, list]]:
     """Every unit of the wanted chunks some rank of the set needs, with its parts per wanted box."""
     names = list(meta.tensors)
-    inside = None if wants.ranks is None else np.asarray(sorted(wants.ranks), np.int64)
+    inside = wants.ranks
     out = []
     for ti, ci in sorted(wants.chunks):
         t = meta.tensors[names[ti]]
@@ -71,7 +72,7 @@ def _units(meta: Metadata, wants: Wants, verify: bool, U: int) -> list[tuple[Uni
             if not subs:
                 continue
             group = subs[0][1] if len(subs) == 1 else np.unique(np.concatenate([s[1] for s in subs]))
-            if inside is not None and not np.isin(group, inside, assume_unique=True).any():
+            if inside is not None and inside.isdisjoint(group.tolist()):
                 continue  # a part of the chunk none of the set needs
             if verify:
                 lo, hi = block_range(lo, hi, meta.checksum_block_bytes, size)
@@ -176,7 +177,7 @@ def local_schedule(meta: Metadata, wants: Wants, verify: bool, batch_bytes: int,
         full = inside is None or u.reader == me
         needs = []
         for sub, rs, es, nbytes, contiguous in sl:
-            for r, e in zip(rs.tolist(), es.tolist()):
+            for r, e in zip(rs.tolist(), es):
                 if full or r in inside:
                     needs.append(Need(r, e, sub, nbytes, contiguous))
                 if r != u.reader:

@@ -15,11 +15,10 @@ since the reader of a chunk's units is chosen among all of them. Two sources:
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from dataclasses import dataclass, field
 from math import prod
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -30,8 +29,8 @@ from ..format.metadata import Metadata
 from .load_plan import TensorIndex
 
 #: per stored chunk (tensor index, chunk index): the distinct boxes wanted from it, each with the
-#: sorted ranks wanting it and their piece numbers (-1 where not known: another rank's)
-ChunkWants = list[tuple[Box, np.ndarray, np.ndarray]]
+#: sorted ranks wanting it and (an iterable of) their piece numbers (-1 where not known: another rank's)
+ChunkWants = list[tuple[Box, np.ndarray, Iterable[int]]]
 
 
 @dataclass
@@ -60,7 +59,7 @@ class _DimRuns:
                 cur = np.minimum(cur, s + ch) - s
                 start += s
             runs_sub = np.nonzero(cur > 0)[0]
-            self._set(start[runs_sub], cur[runs_sub], runs_sub, np.zeros(len(runs_sub), np.int64), P)
+            self._set(start[runs_sub], cur[runs_sub], runs_sub, np.zeros(len(runs_sub), np.int64))
             return
         else:  # strided shards: each sub-mesh position's runs by the layout's own rule
             per_sub = [dim_runs(size, [(n, f, int(c)) for (_, f), n, c in zip(steps, ns, np.unravel_index(k, ns))])
@@ -75,18 +74,22 @@ class _DimRuns:
                 local.append(acc)
                 acc += ln
         self._set(np.asarray(starts, np.int64), np.asarray(lens, np.int64), np.asarray(subs, np.int64),
-                  np.asarray(local, np.int64), len(per_sub))
+                  np.asarray(local, np.int64))
 
-    def _set(self, start, length, sub, local, nsub: int) -> None:
+    def _set(self, start, length, sub, local) -> None:
         order = np.argsort(start, kind="stable")
         self.start, self.length, self.sub = start[order], length[order], sub[order]
         self.end = self.start + self.length
-        # per sub-mesh position its runs in local order (positions into the sorted arrays)
-        self.by_sub: list[list[int]] = [[] for _ in range(nsub)]
+        # per sub-mesh position its runs in local order: positions into the sorted arrays, by sub
         pos = np.empty(len(order), np.int64)
         pos[order] = np.arange(len(order))
-        for k in np.lexsort((local, sub)).tolist():
-            self.by_sub[int(sub[k])].append(int(pos[k]))
+        o = np.lexsort((local, sub))
+        self._sub_key, self._sub_pos = sub[o], pos[o]
+
+    def runs_of(self, k: int) -> list[int]:
+        """Positions (into the sorted arrays) of the runs of sub-mesh position ``k``, in local order."""
+        a, b = np.searchsorted(self._sub_key, [k, k + 1])
+        return self._sub_pos[int(a):int(b)].tolist()
 
     def hits(self, lo: int, hi: int) -> range:
         """Positions of the runs that overlap [lo, hi)."""
@@ -118,7 +121,7 @@ class GridIndex:
         per_dim = []
         for st, dr in zip(self.steps, self.dims):
             k = int(np.ravel_multi_index([coord[i] for i in st], [self.grid.shape[i] for i in st])) if st else 0
-            per_dim.append([(int(dr.start[p]), int(dr.length[p])) for p in dr.by_sub[k]])
+            per_dim.append([(int(dr.start[p]), int(dr.length[p])) for p in dr.runs_of(k)])
         return [Box(tuple(o for o, _ in c), tuple(n for _, n in c)) for c in itertools.product(*per_dim)]
 
     def chunk_wants(self, chunk: Box) -> list[tuple[Box, np.ndarray]]:
@@ -134,20 +137,32 @@ class GridIndex:
         return out
 
 
-def _chunk_key(meta: Metadata, fqn: str) -> bytes:
-    ch = meta.tensors[fqn].chunks
-    return hashlib.blake2b(np.ascontiguousarray(ch.offsets).tobytes() + b"|" +
-                           np.ascontiguousarray(ch.lengths).tobytes(), digest_size=16).digest()
+class _SameGrid:
+    """Results shared by tensors whose chunks have equal boxes (every layer of a model): compared
+    by content (a memcmp), not hashed."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple, list[tuple[np.ndarray, np.ndarray, object]]] = {}
+
+    def get(self, key: bytes, ch) -> tuple[tuple, object]:
+        offs, lens = np.asarray(ch.offsets), np.asarray(ch.lengths)
+        k = (key, offs.shape)
+        for o, ln, val in self._seen.get(k, ()):
+            if np.array_equal(o, offs) and np.array_equal(ln, lens):
+                return k, val
+        return k, None
+
+    def put(self, k: tuple, ch, val: object) -> None:
+        self._seen.setdefault(k, []).append((np.asarray(ch.offsets), np.asarray(ch.lengths), val))
 
 
-def _needed_total(meta: Metadata, fqns: Sequence[str]) -> int:
-    total = 0
-    for fqn in fqns:
-        ch = meta.tensors[fqn].chunks
-        if len(ch):
-            nonempty = np.all(np.asarray(ch.lengths) > 0, axis=1) if np.asarray(ch.lengths).ndim == 2 else True
-            total += int(((np.asarray(ch.end) - np.asarray(ch.begin)) * nonempty).sum())
-    return total
+def _needed_bytes(ch) -> int:
+    """Bytes of a tensor's non-empty chunks (a grid layout covers the tensor: every one is needed)."""
+    if not len(ch):
+        return 0
+    lens = np.asarray(ch.lengths)
+    sizes = np.asarray(ch.end) - np.asarray(ch.begin)
+    return int(sizes[np.all(lens > 0, axis=1)].sum()) if lens.ndim == 2 and lens.shape[1] else int(sizes.sum())
 
 
 def grid_wants(meta: Metadata, tensors: Sequence[ShardedTensor], world: int, ranks: Sequence[int],
@@ -158,15 +173,15 @@ def grid_wants(meta: Metadata, tensors: Sequence[ShardedTensor], world: int, ran
     names = {name: i for i, name in enumerate(meta.tensors)}
     tindex = TensorIndex(meta)
     grids: dict[bytes, GridIndex] = {}
-    cache: dict[bytes, list[tuple[int, list[tuple[Box, np.ndarray]]]]] = {}
-    out = Wants(world, _needed_total(meta, [t.fqn for t in tensors]), {}, frozenset(ranks))
+    cache = _SameGrid()
+    out = Wants(world, 0, {}, frozenset(ranks))
     for st in tensors:
         ti = names[st.fqn]
         stored = meta.tensors[st.fqn]
+        out.total += _needed_bytes(stored.chunks)
         shape = tuple(int(s) for s in stored.shape)
         key = st.layout.key(shape)
-        gkey = key + _chunk_key(meta, st.fqn)
-        hit = cache.get(gkey)
+        gkey, hit = cache.get(key, stored.chunks)
         if hit is None:
             gi = grids.get(key) or grids.setdefault(key, GridIndex(st.layout, shape))
             need: set[int] = set()
@@ -179,18 +194,28 @@ def grid_wants(meta: Metadata, tensors: Sequence[ShardedTensor], world: int, ran
                 cb = stored.chunks.box(ci)
                 if cb.numel > 0:
                     hit.append((ci, gi.chunk_wants(cb)))
-            cache[gkey] = hit
+            hit = [(ci, [(box, rs, rs.tolist(), me in rs.tolist()) for box, rs in w]) for ci, w in hit]
+            cache.put(gkey, stored.chunks, hit)
         for ci, wants in hit:
-            out.chunks[(ti, ci)] = [(box, rs, _entries(entries, me, ti, ci, box, rs)) for box, rs in wants]
+            out.chunks[(ti, ci)] = [(box, rs, _entries(entries, me, ti, ci, box, rl) if has else _NONE)
+                                    for box, rs, rl, has in wants]
     return out
 
 
-def _entries(entries, me: int, ti: int, ci: int, box: Box, rs: np.ndarray) -> np.ndarray:
-    e = np.full(len(rs), -1, np.int64)
+class _NoEntries:
+    """Piece numbers of ranks other than the one planning: unknown (-1)."""
+
+    def __iter__(self):
+        return itertools.repeat(-1)
+
+
+_NONE = _NoEntries()
+
+
+def _entries(entries, me: int, ti: int, ci: int, box: Box, rl: list[int]) -> list[int]:
+    e = [-1] * len(rl)
     if entries is not None:
-        i = int(np.searchsorted(rs, me))
-        if i < len(rs) and rs[i] == me:
-            e[i] = entries[(ti, ci, box)]
+        e[rl.index(me)] = entries[(ti, ci, box)]
     return e
 
 
@@ -217,6 +242,34 @@ def plan_wants(meta: Metadata, plans: Sequence[Sequence[tuple[int, int, Box]]],
         wl = []
         for box, who in boxes.items():
             a = np.asarray(sorted(who), np.int64).reshape(-1, 2)
-            wl.append((box, a[:, 0].copy(), a[:, 1].copy()))
+            wl.append((box, a[:, 0].copy(), a[:, 1].tolist()))
         out.chunks[k] = wl
+    return out
+
+
+def own_plan(meta: Metadata, tensors: Sequence[ShardedTensor], rank: int) -> list[tuple[int, int, Box]]:
+    """``rank``'s plan from the tensors' grid layouts: the pieces :func:`~.load_plan.pieces_for` gives
+    over its shards, in the same order, when the layouts describe its shards (what the digest checks)."""
+    names = {name: i for i, name in enumerate(meta.tensors)}
+    tindex = TensorIndex(meta)
+    grids: dict[bytes, GridIndex] = {}
+    cache = _SameGrid()
+    out: list[tuple[int, int, Box]] = []
+    for st in tensors:
+        stored = meta.tensors[st.fqn]
+        shape = tuple(int(s) for s in stored.shape)
+        key = st.layout.key(shape)
+        gkey, hit = cache.get(key, stored.chunks)
+        if hit is None:
+            gi = grids.get(key) or grids.setdefault(key, GridIndex(st.layout, shape))
+            hit = []
+            for box in gi.rank_boxes(rank):
+                if box.numel > 0:
+                    for c in tindex.get(st.fqn).query(box).tolist():
+                        inter = box.intersect(stored.chunks.box(c))
+                        if inter is not None:
+                            hit.append((c, inter))
+            cache.put(gkey, stored.chunks, hit)
+        ti = names[st.fqn]
+        out.extend((ti, c, inter) for c, inter in hit)
     return out
