@@ -7,14 +7,18 @@ layout, as at 16,384 ranks but smaller; replicated tensors; layouts that are not
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from hyperdcp.core.boxes import Box
 from hyperdcp.core.layout import REPLICATE, GridLayout
 from hyperdcp.core.shards import ShardedTensor
+from hyperdcp.errors import MismatchError
 from hyperdcp.format.metadata import ChunkTable, FileMeta, Metadata, TensorMeta
-from hyperdcp.planning.read_once import derive_plans
+from hyperdcp.planning.load_plan import Piece
+from hyperdcp.planning.read_once import derive_plans, encode_plan
 from hyperdcp.planning.read_once_bcast import MeshLines
 from hyperdcp.planning.read_once_local import local_schedule, my_part
+from hyperdcp.planning.read_once_plans import plans_to_wants
 from hyperdcp.planning.read_once_wants import grid_wants, own_plan, plan_wants
 
 
@@ -100,11 +104,24 @@ def test_exchanged_plans_give_the_same_part_as_the_layouts():
     """Layouts that are not grids: from the exchanged plans a rank keeps only the chunks its host needs."""
     meta, sts = hsdp(2, 4, 5)
     plans = derive_plans(meta, sts, 8)
+    names = list(meta.tensors)
+    raws = [encode_plan(meta, [Piece(names[ti], ci, box, None) for ti, ci, box in plan]) for plan in plans]
     for r in range(8):
-        from_plans = local_schedule(meta, plan_wants(meta, plans, [r]), True, 256 << 20, r)
-        assert my_part(from_plans, r) == my_part(part(meta, sts, 8, r), r)
-        wants = plan_wants(meta, plans, [r])
+        wants = plans_to_wants(meta, raws, [r])
         assert {k[1] for k in wants.chunks} == {r % 4}  # its shard's chunk of every tensor, nothing more
+        from_plans = local_schedule(meta, wants, True, 256 << 20, r)
+        assert my_part(from_plans, r) == my_part(part(meta, sts, 8, r), r)
+        assert my_part(from_plans, r) == my_part(local_schedule(meta, plan_wants(meta, plans, [r]), True, 256 << 20, r), r)
+
+
+def test_a_malformed_exchanged_plan_names_its_rank():
+    meta, sts = hsdp(1, 2, 1)
+    good = encode_plan(meta, [Piece("layer0.weight", 0, Box((0, 0), (4, 64)), None)])
+    outside = encode_plan(meta, [Piece("layer0.weight", 0, Box((0, 0), (5, 64)), None)])  # chunk 0 has 4 rows
+    with pytest.raises(MismatchError, match="rank 1 .*not inside chunk"):
+        plans_to_wants(meta, [good, outside], [0])
+    with pytest.raises(MismatchError, match="rank 0 is malformed"):
+        plans_to_wants(meta, [b"junk", good], [1])
 
 
 def test_mesh_groups_are_recognised_without_listing_them():

@@ -50,7 +50,6 @@ from ..planning.read_once import (
     Unit,
     _own_plan,
     broadcast_groups,
-    decode_plan,
     encode_plan,
     layout_digest,
     mark_broadcasts,
@@ -59,7 +58,8 @@ from ..planning.read_once import (
 )
 from ..planning.read_once_local import local_schedule as build_schedule  # (the name tests spy on)
 from ..planning.read_once_local import pad_batches
-from ..planning.read_once_wants import grid_wants, plan_wants
+from ..planning.read_once_plans import plans_to_wants
+from ..planning.read_once_wants import grid_wants
 from ..sources.base import ChunkReader as DataFiles
 from .reads import copy_piece, execute_local_reads, read_chunk
 
@@ -428,11 +428,7 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
         else:
             if digests != {""}:  # some ranks sent only a digest, so the layouts differ: exchange the plans
                 raws = coord.all_gather(encode_plan(meta, pieces, extra))
-            plans = [decode_plan(meta, raw, r) for r, raw in enumerate(raws)]
-            if len(plans[me]) != len(pieces):
-                raise CoordinationError(f"read-once: rank {me} received a different plan than it sent")
-            wants = plan_wants(meta, plans, local)
-            del plans
+            wants = plans_to_wants(meta, raws, local)  # checked as arrays; only this host's chunks kept
         del raws
         sched = build_schedule(meta, wants, opts.verify_checksums, opts.read_once_batch_bytes, me)
         del wants
