@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..coordination.base import Coordinator, Transport
-from ..coordination.checked import check_all, encode_status, raise_remote
+from ..coordination.checked import all_gather_checked, check_all, encode_status, raise_remote
 from ..coordination.shm import (
     SEGMENT_RE,
     SHM_DIR,
@@ -149,6 +149,7 @@ class _Exchange:
         self.bgroups: dict[int, Any] = {}  # uid -> process group, for the broadcast units this rank is in
         self.own_map: mmap.mmap | None = None  # this rank's segment, written by its reads
         self.maps: dict[int, mmap.mmap] = {}  # same-host readers' segments, read by this rank
+        self.peer_fds: dict[int, int] = {}  # same-host segments held open by read_once (it closes them)
         self.me = coord.rank
         self.names = list(meta.tensors)
         self.transport: Transport = coord  # type: ignore[assignment] - read_once checked it
@@ -231,11 +232,14 @@ class _Exchange:
         for r in peers:
             path = os.path.join(SHM_DIR, shm.names[r])
             try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+                held = self.peer_fds.get(r)  # opened before the last planning collective
+                fd = held if held is not None else os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+                                                           | getattr(os, "O_NOFOLLOW", 0))
                 try:
                     self.maps[r] = mmap.mmap(fd, shm.nslots * shm.slot[r], prot=mmap.PROT_READ)
                 finally:
-                    os.close(fd)
+                    if held is None:
+                        os.close(fd)
             except (OSError, ValueError) as e:
                 raise CheckpointError(
                     f"read-once: rank {me} cannot map the shared memory of rank {r} ({path}: {e}); ranks with the "
@@ -401,6 +405,7 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
         except OSError:  # no usable /dev/shm here: this rank's units go point to point
             seg = None
     ex = None
+    peer_fds: dict[int, int] = {}  # same-host segments held open (see plan_part)
     guard = sigterm_cleanup(unlink_live) if seg is not None else contextlib.nullcontext()
     try:
         guard.__enter__()  # SIGTERM while this rank's segment is named: unlink it, then terminate as before
@@ -422,18 +427,32 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
         peers = [_peer(h, r) for r, h in enumerate(heads)]
         hosts, names, frees = [p[0] for p in peers], [p[1] for p in peers], [p[2] for p in peers]
         local = [r for r, h in enumerate(hosts) if h == hosts[me]]  # this host's ranks share its placement
-        if derived:  # every rank's needs follow from the layouts: only this host's chunks are looked at
-            own = {(ti, ci, box): e for e, (ti, ci, box) in enumerate(_own_plan(meta, pieces))}
-            wants = grid_wants(meta, tensors, world, local, own, me)
-        else:
-            if digests != {""}:  # some ranks sent only a digest, so the layouts differ: exchange the plans
-                raws = coord.all_gather(encode_plan(meta, pieces, extra))
-            wants = plans_to_wants(meta, raws, local)  # checked as arrays; only this host's chunks kept
-        del raws
-        sched = build_schedule(meta, wants, opts.verify_checksums, opts.read_once_batch_bytes, me)
-        del wants
+
+        def plan_part() -> bytes:
+            nonlocal sched
+            if derived:  # every rank's needs follow from the layouts: only this host's chunks are looked at
+                own = {(ti, ci, box): e for e, (ti, ci, box) in enumerate(_own_plan(meta, pieces))}
+                wants = grid_wants(meta, tensors, world, local, own, me)
+            else:
+                plans = raws
+                if digests != {""}:  # some ranks sent only a digest, so the layouts differ: exchange the plans
+                    plans = coord.all_gather(encode_plan(meta, pieces, extra))
+                wants = plans_to_wants(meta, plans, local)  # checked as arrays; only this host's chunks kept
+            sched = build_schedule(meta, wants, opts.verify_checksums, opts.read_once_batch_bytes, me)
+            # hold this host's segments open before the next collective: a rank failing after it cannot
+            # take its segment away from the ranks that copy out of it (the name goes, the memory stays)
+            for r in local:
+                if r != me and names[r]:
+                    with contextlib.suppress(OSError):
+                        peer_fds[r] = os.open(os.path.join(SHM_DIR, names[r]), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+                                              | getattr(os, "O_NOFOLLOW", 0))
+            return str(len(sched.batches)).encode()
+
+        sched: Schedule | None = None
         # every rank runs as many batches as the rank with the most (each batch ends in a collective)
-        pad_batches(sched, max(int(b) for b in coord.all_gather(str(len(sched.batches)).encode())))
+        nbs = all_gather_checked(coord, "planning the read-once schedule", plan_part)
+        raws = []  # nothing kept of the other ranks' plans
+        pad_batches(sched, max(int(b) for b in nbs))
         lines, handles = (broadcast_groups(tensors, me, world, None)
                           if derived and opts.read_once_broadcast else (set(), {}))
         mark_broadcasts(sched, lines, hosts)
@@ -446,6 +465,7 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
             seg.close()  # nobody maps it
             seg = None
         ex = _Exchange(files, meta, pieces, coord, opts, sched, shm, seg)
+        ex.peer_fds = peer_fds
         for u in sched.units:
             if u.bcast and any(n.rank == coord.rank for n in u.needs):
                 members = frozenset(u.group.tolist())
@@ -459,5 +479,7 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
             ex.close()
         elif seg is not None:
             seg.close()
+        for fd in peer_fds.values():
+            os.close(fd)
         guard.__exit__(None, None, None)
     return sched

@@ -161,8 +161,10 @@ def _needed_bytes(ch) -> int:
     if not len(ch):
         return 0
     lens = np.asarray(ch.lengths)
-    sizes = np.asarray(ch.end) - np.asarray(ch.begin)
-    return int(sizes[np.all(lens > 0, axis=1)].sum()) if lens.ndim == 2 and lens.shape[1] else int(sizes.sum())
+    total = int(np.asarray(ch.end).sum() - np.asarray(ch.begin).sum())
+    if lens.ndim == 2 and lens.shape[1] and lens.min() <= 0:  # rare: some chunks are empty
+        total = int((np.asarray(ch.end) - np.asarray(ch.begin))[np.all(lens > 0, axis=1)].sum())
+    return total
 
 
 def grid_wants(meta: Metadata, tensors: Sequence[ShardedTensor], world: int, ranks: Sequence[int],
