@@ -1,8 +1,9 @@
 """Read-once loads, the running half: every stored byte that some rank needs is read by exactly one rank.
 
 :func:`read_once` exchanges the plans (one ``all_gather``, which also carries host identities,
-shared-memory segment names and planning errors), computes the schedule with
-:mod:`hyperdcp.planning.read_once` (whose docstring describes the whole algorithm), then runs it
+shared-memory segment names and planning errors), computes this host's part of the schedule with
+:mod:`hyperdcp.planning.read_once_local` (:mod:`hyperdcp.planning.read_once` describes the whole
+algorithm; one more small checked ``all_gather`` agrees on the number of batches), then runs it
 (:class:`_Exchange`): a background thread reads and verifies batch k+1 while the main thread moves
 batch k, through same-host shared memory (:mod:`hyperdcp.coordination.shm`) or a
 :class:`~hyperdcp.coordination.base.Transport` (point to point, and broadcasts in a mesh's groups).

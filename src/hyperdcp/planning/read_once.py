@@ -15,7 +15,9 @@ Flow (every rank runs the same steps; ranks that need nothing take part too):
    (:func:`derive_plans`), else the plans are packed as int arrays (:mod:`hyperdcp.core.wire`,
    no pickle) and exchanged. Either way one ``all_gather`` of small records also carries the host
    identity, the shared-memory segment name and any planning error (raised on every rank).
-2. **Schedule.** From all plans every rank computes the same global schedule: per stored chunk the
+2. **Schedule.** Each rank computes only its host's part of it (:mod:`.read_once_local`, from the
+   layouts or the exchanged plans; :func:`build_schedule` below is the global form, the reference
+   the parts are tested against, with the old reader and batch rules): per stored chunk the
    ranks needing parts of it, cut into *units* (contiguous row-slabs of the chunk, sized so that each
    reader has about ``_ROUNDS`` batches of ``_UNITS_PER_ROUND`` units, never above the batch bound),
    the byte span to read (widened to whole checksum blocks when verifying), and one *reader* among the
