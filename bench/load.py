@@ -341,6 +341,10 @@ def main() -> None:
             host_extra = med(res[0][key][i]["host_added"] for i in range(n)) / 2**20
             print(f"{case:<16}{lib:<10}{counted:>14.3f}{rchar:>12.3f}{disk:>11.3f}{wall:>8.2f}{wall / floor[case]:>8.2f}"
                   f"{host_extra:>16.0f}{peak:>19.0f}   {' '.join(f'{w:.2f}' for w in each)}")
+            if first[0]["counted"] is not None:  # read-once: how evenly the ranks share the reading
+                per = [x["counted"] for x in first]
+                print(f"{'':<26}bytes read per rank: max/mean {max(per) / (sum(per) / len(per)):.3f} "
+                      f"(MiB: {' '.join(f'{x / 2**20:.0f}' for x in per)})")
             report[f"{case}/{lib}"] = {"ampl_counted": counted, "ampl_rchar": rchar, "ampl_disk": disk,
                                        "wall_s": wall, "wall_s_runs": each, "wall_over_floor": wall / floor[case],
                                        "host_extra_mib": host_extra, "rank_rss_peak_mib": peak,

@@ -1,8 +1,9 @@
 """Read-once loads, the running half: every stored byte that some rank needs is read by exactly one rank.
 
 :func:`read_once` exchanges the plans (one ``all_gather``, which also carries host identities,
-shared-memory segment names and planning errors), computes the schedule with
-:mod:`hyperdcp.planning.read_once` (whose docstring describes the whole algorithm), then runs it
+shared-memory segment names and planning errors), computes this host's part of the schedule with
+:mod:`hyperdcp.planning.read_once_local` (:mod:`hyperdcp.planning.read_once` describes the whole
+algorithm; one more small checked ``all_gather`` agrees on the number of batches), then runs it
 (:class:`_Exchange`): a background thread reads and verifies batch k+1 while the main thread moves
 batch k, through same-host shared memory (:mod:`hyperdcp.coordination.shm`) or a
 :class:`~hyperdcp.coordination.base.Transport` (point to point, and broadcasts in a mesh's groups).
@@ -26,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..coordination.base import Coordinator, Transport
-from ..coordination.checked import check_all, encode_status, raise_remote
+from ..coordination.checked import all_gather_checked, check_all, encode_status, raise_remote
 from ..coordination.shm import (
     SEGMENT_RE,
     SHM_DIR,
@@ -48,16 +49,18 @@ from ..planning.read_once import (
     Schedule,
     ShmLayout,
     Unit,
+    _own_plan,
     broadcast_groups,
-    build_schedule,
-    decode_plan,
-    derive_plans,
     encode_plan,
     layout_digest,
     mark_broadcasts,
     presize,
     shm_layout,
 )
+from ..planning.read_once_local import local_schedule as build_schedule  # (the name tests spy on)
+from ..planning.read_once_local import pad_batches
+from ..planning.read_once_plans import plans_to_wants
+from ..planning.read_once_wants import grid_wants
 from ..sources.base import ChunkReader as DataFiles
 from .reads import copy_piece, execute_local_reads, read_chunk
 
@@ -147,6 +150,7 @@ class _Exchange:
         self.bgroups: dict[int, Any] = {}  # uid -> process group, for the broadcast units this rank is in
         self.own_map: mmap.mmap | None = None  # this rank's segment, written by its reads
         self.maps: dict[int, mmap.mmap] = {}  # same-host readers' segments, read by this rank
+        self.peer_fds: dict[int, int] = {}  # same-host segments held open by read_once (it closes them)
         self.me = coord.rank
         self.names = list(meta.tensors)
         self.transport: Transport = coord  # type: ignore[assignment] - read_once checked it
@@ -229,11 +233,14 @@ class _Exchange:
         for r in peers:
             path = os.path.join(SHM_DIR, shm.names[r])
             try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+                held = self.peer_fds.get(r)  # opened before the last planning collective
+                fd = held if held is not None else os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+                                                           | getattr(os, "O_NOFOLLOW", 0))
                 try:
                     self.maps[r] = mmap.mmap(fd, shm.nslots * shm.slot[r], prot=mmap.PROT_READ)
                 finally:
-                    os.close(fd)
+                    if held is None:
+                        os.close(fd)
             except (OSError, ValueError) as e:
                 raise CheckpointError(
                     f"read-once: rank {me} cannot map the shared memory of rank {r} ({path}: {e}); ranks with the "
@@ -399,6 +406,7 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
         except OSError:  # no usable /dev/shm here: this rank's units go point to point
             seg = None
     ex = None
+    peer_fds: dict[int, int] = {}  # same-host segments held open (see plan_part)
     guard = sigterm_cleanup(unlink_live) if seg is not None else contextlib.nullcontext()
     try:
         guard.__enter__()  # SIGTERM while this rank's segment is named: unlink it, then terminate as before
@@ -416,41 +424,52 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
                          coord, plan_what, plan_error)
         digests = {_layout_of(h) for h in heads}
         derived = bool(digest) and digests == {digest}
-        if derived:
-            plans = derive_plans(meta, tensors, coord.world_size)
-        else:
-            if digests != {""}:  # some ranks sent only a digest, so the layouts differ: exchange the plans
-                raws = coord.all_gather(encode_plan(meta, pieces, extra))
-            plans = [decode_plan(meta, raw, r) for r, raw in enumerate(raws)]
-        if len(plans[coord.rank]) != len(pieces):
-            raise CoordinationError(f"read-once: rank {coord.rank} received a different plan than it sent")
+        me, world = coord.rank, coord.world_size
         peers = [_peer(h, r) for r, h in enumerate(heads)]
         hosts, names, frees = [p[0] for p in peers], [p[1] for p in peers], [p[2] for p in peers]
-        lines, handles = (broadcast_groups(tensors, coord.rank, coord.world_size, None)
+        local = [r for r, h in enumerate(hosts) if h == hosts[me]]  # this host's ranks share its placement
+
+        def plan_part() -> bytes:
+            nonlocal sched
+            if derived:  # every rank's needs follow from the layouts: only this host's chunks are looked at
+                own = {(ti, ci, box): e for e, (ti, ci, box) in enumerate(_own_plan(meta, pieces))}
+                wants = grid_wants(meta, tensors, world, local, own, me)
+            else:
+                plans = raws
+                if digests != {""}:  # some ranks sent only a digest, so the layouts differ: exchange the plans
+                    plans = coord.all_gather(encode_plan(meta, pieces, extra))
+                wants = plans_to_wants(meta, plans, local)  # checked as arrays; only this host's chunks kept
+            sched = build_schedule(meta, wants, opts.verify_checksums, opts.read_once_batch_bytes, me)
+            # hold this host's segments open before the next collective: a rank failing after it cannot
+            # take its segment away from the ranks that copy out of it (the name goes, the memory stays)
+            for r in local:
+                if r != me and names[r]:
+                    with contextlib.suppress(OSError):
+                        peer_fds[r] = os.open(os.path.join(SHM_DIR, names[r]), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+                                              | getattr(os, "O_NOFOLLOW", 0))
+            return str(len(sched.batches)).encode()
+
+        sched: Schedule | None = None
+        # every rank runs as many batches as the rank with the most (each batch ends in a collective)
+        nbs = all_gather_checked(coord, "planning the read-once schedule", plan_part)
+        raws = []  # nothing kept of the other ranks' plans
+        pad_batches(sched, max(int(b) for b in nbs))
+        lines, handles = (broadcast_groups(tensors, me, world, None)
                           if derived and opts.read_once_broadcast else (set(), {}))
-        for _ in range(3):  # a host without room for its readers' slots goes point to point; re-plan for that
-            sched = build_schedule(meta, plans, opts.verify_checksums, opts.read_once_batch_bytes, hosts,
-                                   [bool(n) for n in names])
-            mark_broadcasts(sched, lines, hosts)
-            shm = shm_layout(sched, hosts, names, frees, size)
-            if shm.names == names:
-                break
-            names = shm.names
-        else:
-            sched = build_schedule(meta, plans, opts.verify_checksums, opts.read_once_batch_bytes)
-            mark_broadcasts(sched, lines, hosts)
-            shm = shm_layout(sched, hosts, [""] * len(names), frees, size)
+        mark_broadcasts(sched, lines, hosts)
+        shm = shm_layout(sched, hosts, names, frees, size, local)
         sched.shm = shm
         sched.derived = derived
         if not shm.offset:
             shm = None
-        if seg is not None and (shm is None or not shm.slot[coord.rank]):
+        if seg is not None and (shm is None or not shm.slot[me]):
             seg.close()  # nobody maps it
             seg = None
         ex = _Exchange(files, meta, pieces, coord, opts, sched, shm, seg)
+        ex.peer_fds = peer_fds
         for u in sched.units:
             if u.bcast and any(n.rank == coord.rank for n in u.needs):
-                members = frozenset(n.rank for n in u.needs)
+                members = frozenset(u.group.tolist())
                 if members not in handles:  # DeviceMesh groups exist for every member: not expected
                     raise CoordinationError(f"read-once: rank {coord.rank} has no process group for ranks "
                                             f"{sorted(members)}; pass read_once_broadcast=False")
@@ -461,5 +480,7 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
             ex.close()
         elif seg is not None:
             seg.close()
+        for fd in peer_fds.values():
+            os.close(fd)
         guard.__exit__(None, None, None)
     return sched

@@ -15,7 +15,9 @@ Flow (every rank runs the same steps; ranks that need nothing take part too):
    (:func:`derive_plans`), else the plans are packed as int arrays (:mod:`hyperdcp.core.wire`,
    no pickle) and exchanged. Either way one ``all_gather`` of small records also carries the host
    identity, the shared-memory segment name and any planning error (raised on every rank).
-2. **Schedule.** From all plans every rank computes the same global schedule: per stored chunk the
+2. **Schedule.** Each rank computes only its host's part of it (:mod:`.read_once_local`, from the
+   layouts or the exchanged plans; :func:`build_schedule` below is the global form, the reference
+   the parts are tested against, with the old reader and batch rules): per stored chunk the
    ranks needing parts of it, cut into *units* (contiguous row-slabs of the chunk, sized so that each
    reader has about ``_ROUNDS`` batches of ``_UNITS_PER_ROUND`` units, never above the batch bound),
    the byte span to read (widened to whole checksum blocks when verifying), and one *reader* among the
@@ -58,12 +60,13 @@ import numpy as np
 
 from ..core import dtypes, wire
 from ..core.boxes import Box
-from ..core.layout import mesh_lines
 from ..core.shards import ShardedTensor
 from ..errors import MismatchError
 from ..format.checksums import block_range
 from ..format.metadata import Metadata
 from .load_plan import Piece, TensorIndex, byte_span
+from .read_once_bcast import MeshLines, broadcast_groups, mark_broadcasts  # noqa: F401 - part of this API
+from .read_once_wants import own_plan
 
 _PLAN_VERSION = 1
 
@@ -91,6 +94,12 @@ class Unit:
     needs: list[Need]
     reader: int = -1
     bcast: bool = False  # identical bytes for every needer, who form one mesh-dim group: a broadcast
+    #: local schedules (:mod:`.read_once_local`): the key every party orders units by, every needing
+    #: rank (``needs`` may hold only some of them), whether they all want the same contiguous bytes
+    key: tuple = ()
+    group: Any = None
+    same: bool = False
+    batch: int = -1
 
     @property
     def nbytes(self) -> int:
@@ -170,7 +179,7 @@ def layout_digest(meta: Metadata, tensors: Sequence[ShardedTensor] | None, piece
     """
     if tensors is None or any(t.layout is None or not t.layout.valid_for(len(t.shape), world) for t in tensors):
         return ""
-    if derive_plans(meta, tensors, world, only=me)[me] != _own_plan(meta, pieces):
+    if own_plan(meta, tensors, me) != _own_plan(meta, pieces):
         return ""
     names = {name: i for i, name in enumerate(meta.tensors)}
     h = hashlib.blake2b(digest_size=16)
@@ -269,40 +278,52 @@ class ShmLayout:
         return rank != u.reader and u.uid in self.offset and self.hosts[rank] == self.hosts[u.reader]
 
 
-def shm_layout(sched: Schedule, hosts: list[str], names: list[str], frees: list[int], presize: int) -> ShmLayout:
-    """Place, per reader and batch, the units some same-host rank consumes; hosts without room fall back."""
+def shm_layout(sched: Schedule, hosts: list[str], names: list[str], frees: list[int], presize: int,
+               ranks: Sequence[int] | None = None) -> ShmLayout:
+    """Place, per reader and batch, the units some same-host rank consumes; hosts without room fall back.
+
+    ``ranks``: only these ranks' segments are placed (a local schedule: the ranks of this host, who all
+    hold the same units with a same-host consumer); the others' stay unused here.
+    """
     world = len(hosts)
+    members = range(world) if ranks is None else sorted(ranks)
     nslots = min(_NSLOTS, len(sched.batches)) or 1
-    ok = [bool(names[r]) for r in range(world)]
+    ok = [False] * world
+    for r in members:
+        ok[r] = bool(names[r])
 
     def place() -> tuple[list[int], dict[int, int]]:
         slot, offset = [0] * world, {}
         for batch in sched.batches:
-            used = [0] * world
+            used: dict[int, int] = {}
             for u in batch:
                 r = u.reader
                 if ok[r] and not u.bcast and any(n.rank != r and hosts[n.rank] == hosts[r] for n in u.needs):
-                    offset[u.uid] = used[r]
-                    used[r] += -(-u.nbytes // _ALIGN) * _ALIGN
-            slot = [max(a, b) for a, b in zip(slot, used)]
+                    offset[u.uid] = used.get(r, 0)
+                    used[r] = offset[u.uid] + -(-u.nbytes // _ALIGN) * _ALIGN
+            for r, b in used.items():
+                slot[r] = max(slot[r], b)
         return slot, offset
 
     slot, offset = place()
     changed = False
-    for r in range(world):
+    for r in members:
         if ok[r] and nslots * slot[r] > presize:
             ok[r], changed = False, True
     per_host: dict[str, list[int]] = {}
-    for r in range(world):
+    for r in members:
         per_host.setdefault(hosts[r], []).append(r)
-    for members in per_host.values():
-        need = sum(nslots * slot[r] for r in members if ok[r])
-        if need and need > min(frees[r] for r in members) // 2:  # leave /dev/shm at least half free
-            for r in members:
+    for on_host in per_host.values():
+        need = sum(nslots * slot[r] for r in on_host if ok[r])
+        if need and need > min(frees[r] for r in on_host) // 2:  # leave /dev/shm at least half free
+            for r in on_host:
                 ok[r], changed = False, True
     if changed:
         slot, offset = place()
-    return ShmLayout(list(hosts), [n if ok[r] else "" for r, n in enumerate(names)], slot, nslots, offset)
+    out = list(names) if ranks is not None else [""] * world
+    for r in members:
+        out[r] = names[r] if ok[r] else ""
+    return ShmLayout(list(hosts), out, slot, nslots, offset)
 
 
 _presize = presize  # old private name
@@ -462,41 +483,3 @@ def build_schedule(meta: Metadata, plans: list[list[tuple[int, int, Box]]], veri
             active = still
         batches.append(cur)
     return Schedule(units, batches, load, sent)
-
-
-def broadcast_groups(tensors: Sequence[ShardedTensor], me: int, world: int, whole: Any) -> tuple[set[frozenset[int]], dict[frozenset[int], Any]]:
-    """(every mesh-dim group's member set, known identically on every rank; this rank's handle for each
-    set it belongs to). Groups come with the layouts (a DeviceMesh's own groups), plus ``whole`` for all
-    ranks: none is created here. Tensors are walked in order, so members pick the same handle."""
-    lines: set[frozenset[int]] = {frozenset(range(world))}
-    mine: dict[frozenset[int], Any] = {frozenset(range(world)): whole}
-    seen: set[bytes] = set()
-    for st in tensors:
-        lay = st.layout
-        if lay is None or lay.mesh_key in seen:
-            continue
-        seen.add(lay.mesh_key)
-        grid = np.asarray(lay.mesh)
-        lines.update(mesh_lines(grid))
-        where = np.argwhere(grid == me)
-        if not len(where) or len(lay.groups) != grid.ndim:
-            continue
-        coord = tuple(int(c) for c in where[0])
-        for d, handle in enumerate(lay.groups):
-            line = frozenset(grid[coord[:d] + (slice(None),) + coord[d + 1:]].reshape(-1).tolist())
-            mine.setdefault(line, handle)
-    return lines, mine
-
-
-def mark_broadcasts(sched: Schedule, lines: set[frozenset[int]], hosts: Sequence[str]) -> None:
-    """Units whose needers all want the same contiguous bytes, form one group's member set and sit on
-    other hosts than the reader (else shared memory serves them) go by one broadcast in that group."""
-    for u in sched.units:
-        u.bcast = False
-        if len(u.needs) < 2:
-            continue
-        box = u.needs[0].box
-        ranks = frozenset(n.rank for n in u.needs)
-        if (len(ranks) == len(u.needs) and ranks in lines and all(n.contiguous and n.box == box for n in u.needs)
-                and all(hosts[n.rank] != hosts[u.reader] for n in u.needs if n.rank != u.reader)):
-            u.bcast = True
