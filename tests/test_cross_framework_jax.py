@@ -104,8 +104,9 @@ def jax_side(pid, n, src, dst, minilm):
             for part in parents:
                 node = node.setdefault(part, {})
             dtype = jax.dtypes.canonicalize_dtype(v.dtype)  # int64 position ids: int32 without jax_enable_x64
-            # the word embeddings vocab-parallel (rows over x), the other matrices 2-D (rows over x, columns over y)
-            sh = _jax_sharding(v.shape[:1], mesh) if k.endswith("word_embeddings.weight") else _jax_sharding(v.shape, mesh)
+            # every matrix 2-D (rows over x, columns over y): the 47 MB word embeddings are one stored chunk
+            # larger than a read's staging bound, whose column blocks must still be read once, not once each
+            sh = _jax_sharding(v.shape, mesh)
             node[leaf] = jax.ShapeDtypeStruct(v.shape, dtype, sharding=sh)
         res = hyperdcp.load(tree, os.path.dirname(minilm), allow_cast=True)
         flat = {hyperdcp_key: leaf for hyperdcp_key, leaf in _flat(res.state)}

@@ -97,6 +97,8 @@ def bounded_reads(meta: Metadata, read: ChunkRead, verify: bool, bound: int = 0)
     isz = dtypes.itemsize(t.dtype)
     size = int(t.chunks.end[read.chunk] - t.chunks.begin[read.chunk])
     strides = chunk_strides(cb.lengths, isz)
+    if len(read.pieces) > 1 and strides[0] <= bound:
+        return _row_slab_reads(read, cb, strides[0], isz, size, B if verify else 0, bound)
     out: list[ChunkRead] = []
     for p in read.pieces:
         for box in _cut(cb, p.box, strides, isz, bound):
@@ -105,6 +107,30 @@ def bounded_reads(meta: Metadata, read: ChunkRead, verify: bool, bound: int = 0)
                 lo, hi = block_range(lo, hi, B, size)
             out.append(ChunkRead(read.fqn, read.chunk, read.file, read.begin, lo, hi,
                                  [Piece(p.fqn, p.chunk, box, p.dst, p.dst_dtype)]))
+    return out
+
+
+def _row_slab_reads(read: ChunkRead, cb: "Box", row_bytes: int, isz: int, size: int, block: int,
+                    bound: int) -> list[ChunkRead]:
+    """Several pieces of one big chunk (e.g. column blocks of the same rows): cut the chunk into slabs of
+    whole rows and let each slab's read serve every piece's part of it, so each byte is read once instead of
+    once per piece. ``block``: checksum block to widen reads to (0: no verification)."""
+
+    r0 = min(p.box.offsets[0] for p in read.pieces)
+    r1 = max(p.box.offsets[0] + p.box.lengths[0] for p in read.pieces)
+    k = max(1, bound // row_bytes)
+    out: list[ChunkRead] = []
+    for a in range(r0, r1, k):
+        slab = Box((a,) + cb.offsets[1:], (min(k, r1 - a),) + cb.lengths[1:])
+        parts = [(p, b) for p in read.pieces if (b := p.box.intersect(slab)) is not None]
+        if not parts:
+            continue
+        spans = [byte_span(cb, b, isz) for _, b in parts]
+        lo, hi = min(x for x, _ in spans), max(y for _, y in spans)
+        if block:
+            lo, hi = block_range(lo, hi, block, size)
+        out.append(ChunkRead(read.fqn, read.chunk, read.file, read.begin, lo, hi,
+                             [Piece(p.fqn, p.chunk, b, p.dst, p.dst_dtype) for p, b in parts]))
     return out
 
 
