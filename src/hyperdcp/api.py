@@ -19,7 +19,7 @@ from .planning.save_plan import PlanCache
 from .results import LoadResult
 from .saving import SaveResult, persist, stage
 from .sources import open_source
-from .storage.urls import local_save_path
+from .storage.urls import save_path, storage_options_scope
 
 
 def plan_cache() -> PlanCache:
@@ -65,7 +65,7 @@ def save(state_dict: Any, path: str | os.PathLike, *, options: SaveOptions | Non
         >>> res.bytes_written  # doctest: +SKIP
         32
     """
-    path = local_save_path(path)  # remote URLs: UnsupportedStorageError (save locally and upload)
+    path = save_path(path)  # s3:// URLs as given; other URLs: UnsupportedStorageError (save locally and upload)
     opts = resolve(SaveOptions, options, overrides)
     coord = coordinator or coordinator_for(opts.process_group, opts.timeout)
     coord.arrive(f"save to {path!r}")
@@ -107,7 +107,8 @@ def load(state_dict: Any, path: str | os.PathLike, *, options: LoadOptions | Non
     opts = resolve(LoadOptions, options, overrides)
     coord = coordinator or coordinator_for(opts.process_group, opts.timeout)
     coord.arrive(f"load of {os.fspath(path)!r}")
-    return _load(state_dict, os.fspath(path), coord, opts)
+    with storage_options_scope(opts.storage_options):
+        return _load(state_dict, os.fspath(path), coord, opts)
 
 
 def read_metadata(path: str | os.PathLike) -> Metadata:

@@ -17,6 +17,7 @@ from typing import Any
 
 from .errors import CheckpointError, CheckpointNotFoundError, FormatError
 from .storage.commit import load_metadata, recover_under, torch_dcp_message
+from .storage.urls import is_object_store
 
 _NUM = re.compile(r"(\d+)(?!.*\d)")
 
@@ -24,6 +25,10 @@ _NUM = re.compile(r"(\d+)(?!.*\d)")
 def list_checkpoints(root: str | os.PathLike) -> list[str]:
     """Paths of the complete checkpoints directly under ``root``, oldest first."""
     root = os.fspath(root)
+    if is_object_store(root):  # s3://bucket/run: committed records only (storage/object_listing.py)
+        from .storage.object_listing import committed_checkpoints
+
+        return committed_checkpoints(root)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"{root!r} is not a directory; pass the directory that holds the checkpoints")
     if torch_dcp_message(root):

@@ -28,6 +28,9 @@ class SaveOptions:
     plan_cache: bool = True
     #: free-form JSON-serialisable metadata stored with the checkpoint
     user_metadata: dict = field(default_factory=dict)
+    #: the object-store client's configuration for s3:// paths (s3fs keyword arguments: endpoint_url, key,
+    #: secret, client_kwargs...; "client": "obstore" picks the other client); None: the client's own config
+    storage_options: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,8 @@ class LoadOptions:
     #: read-once: what identifies this rank's host (ranks with the same id share /dev/shm); None: derived from
     #: the host name, boot id and /dev/shm device; default from ``HYPERDCP_HOST``
     host_id: str | None = field(default_factory=lambda: os.environ.get("HYPERDCP_HOST") or None)
+    #: the object-store client's configuration for s3:// paths (see SaveOptions.storage_options)
+    storage_options: dict | None = None
 
 
 ASYNC_MODES = ("gloo", "file", "none")

@@ -41,6 +41,7 @@ from ..storage.base import SaveStaging, Storage
 from ..storage.commit import load_metadata  # the hyperdcp source once it exists (P2)
 from ..storage.identity import DIGEST_BYTES, mismatch_among, path_digest
 from ..storage.local import LocalStorage
+from ..storage.urls import is_object_store, storage_for
 from . import write
 from .stage import StagedState
 
@@ -62,7 +63,12 @@ class SaveResult:
     def metadata(self) -> Metadata:
         """The committed metadata (read from disk on ranks other than 0)."""
         if self._metadata is None:
-            self._metadata = load_metadata(self.path)
+            if is_object_store(self.path):
+                from ..storage.object_listing import read_record
+
+                self._metadata = read_record(self.path)
+            else:
+                self._metadata = load_metadata(self.path)
         return self._metadata
 
     def __repr__(self) -> str:
@@ -131,7 +137,7 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
     """
     t0 = time.perf_counter()
     W, rank = coord.world_size, coord.rank
-    storage = storage if storage is not None else LocalStorage(path)
+    storage = storage if storage is not None else storage_for(path, opts.storage_options)
     staging: SaveStaging | None = None
 
     content = b""
