@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from abc import ABC, abstractmethod
 from datetime import timedelta
 from typing import Any
@@ -292,6 +293,12 @@ class ObstoreClient(ObjectClient):
 
 
 CLIENTS = {"s3fs": S3fsClient, "obstore": ObstoreClient}
+#: clients made in this process, by (pid, kind, bucket, options, endpoint env): a client costs a session and
+#: the service model (0.1-1 s), and every storage of a load or save would otherwise make its own
+_CACHE: dict[tuple, ObjectClient] = {}
+_CACHE_LOCK = threading.Lock()
+_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+        "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE")
 
 
 def make_client(url: str, storage_options: dict | None = None) -> ObjectClient:
@@ -302,7 +309,12 @@ def make_client(url: str, storage_options: dict | None = None) -> ObjectClient:
     if kind not in CLIENTS:
         raise StorageError(f"unknown S3 client {kind!r} for {url!r}; use one of {sorted(CLIENTS)}")
     bucket, _ = split_url(url)
-    return CLIENTS[kind](bucket, opts)
+    key = (os.getpid(), kind, bucket, repr(sorted(opts.items())), tuple(os.environ.get(k) for k in _ENV))
+    with _CACHE_LOCK:
+        client = _CACHE.get(key)
+        if client is None:
+            client = _CACHE[key] = CLIENTS[kind](bucket, opts)
+        return client
 
 
 __all__ = ["CLIENTS", "ObjectClient", "ObjectExists", "ObjectMissing", "ObstoreClient", "S3fsClient", "make_client",

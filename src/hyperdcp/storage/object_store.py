@@ -17,6 +17,7 @@ are ranged GETs of at most ``max_request_bytes``, issued in parallel. Every requ
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import threading
@@ -203,7 +204,9 @@ class ObjectStorage(Storage):
     """The checkpoint at ``url`` (``s3://bucket/prefix``) on an S3-compatible store; see the module docstring.
 
     ``storage_options``: the client's keyword arguments (s3fs: ``endpoint_url``, ``key``, ``secret``,
-    ``client_kwargs``...; ``"client": "obstore"`` picks the other client). Safe to use from several threads.
+    ``client_kwargs``...; ``"client": "obstore"`` picks the other client), plus ``part_bytes`` and
+    ``concurrency`` (defaults from ``HYPERDCP_S3_PART_BYTES`` / ``HYPERDCP_S3_CONCURRENCY``). Safe to use
+    from several threads.
     """
 
     supports_writes = True
@@ -215,6 +218,8 @@ class ObjectStorage(Storage):
         self.url = url.rstrip("/")
         self.bucket, self.prefix = split_url(self.url)
         self.storage_options = dict(storage_options or {})
+        part_bytes = int(self.storage_options.pop("part_bytes", os.environ.get("HYPERDCP_S3_PART_BYTES", part_bytes)))
+        concurrency = int(self.storage_options.pop("concurrency", os.environ.get("HYPERDCP_S3_CONCURRENCY", concurrency)))
         self.part_bytes = max(5 << 20, int(part_bytes))
         self.max_request_bytes = self.part_bytes
         self.concurrency = max(1, int(concurrency))
