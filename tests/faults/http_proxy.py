@@ -5,11 +5,11 @@
     proxy.stats                     # requests and body bytes per method, faults injected per kind
     proxy.stop()
 
-For a fraction ``fault_rate`` of requests (deterministic for a seed) it answers 503 SlowDown or 500
+For a fraction ``fault_rate`` of requests (deterministic for a seed; the kinds in turn) it answers 503 SlowDown or 500
 InternalError without forwarding, resets the connection before forwarding, forwards and then resets
 (the request took effect, the answer is lost), or sends half of the answer's body and resets. The rest
 is forwarded unchanged. Bodies are read whole (``Content-Length`` or chunked) and forwarded with a
-``Content-Length``.
+``Content-Length``. ``match(method, path)`` limits the faults to some requests (one part of an upload).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _handle(self) -> None:
         px = self.server.proxy
         body = self._body()
-        fault = px.pick()
+        fault = px.pick(self.command, self.path)
         with px.lock:
             px.stats["requests"] += 1
             px.stats[f"requests_{self.command}"] += 1
@@ -87,15 +87,16 @@ class _Handler(BaseHTTPRequestHandler):
             conn.close()
         with px.lock:
             px.stats[f"bytes_out_{self.command}"] += len(data)
-        if fault == "reset_after":
+        if fault == "reset_after" or (fault == "cut_body" and len(data) < 2):  # nothing to cut: lose the answer
             return self._reset()
         self.send_response(resp.status)
         for k, v in resp.getheaders():
-            if k.lower() not in _HOP and k.lower() != "content-length":
+            if k.lower() not in _HOP and (k.lower() != "content-length" or self.command == "HEAD"):
                 self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)))
+        if self.command != "HEAD":
+            self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        if fault == "cut_body" and len(data) > 1:
+        if fault == "cut_body":
             self.wfile.write(data[: len(data) // 2])
             self.wfile.flush()
             return self._reset()
@@ -115,10 +116,13 @@ class FaultProxy:
     """See the module docstring. ``kinds``: which faults to inject (default: all)."""
 
     def __init__(self, upstream_host: str, upstream_port: int, fault_rate: float = 0.0, seed: int = 0,
-                 kinds: tuple[str, ...] = KINDS):
+                 kinds: tuple[str, ...] = KINDS, match=None):
         self.upstream_host, self.upstream_port = upstream_host, upstream_port
         self.fault_rate, self.kinds = fault_rate, kinds
+        #: ``match(method, path) -> bool``: only matching requests may be faulted (None: every request)
+        self.match = match
         self._rng = random.Random(seed)
+        self._faults = 0
         self.lock = threading.Lock()
         self.stats: Counter = Counter()
         self._srv = _Server(("127.0.0.1", 0), _Handler)
@@ -127,10 +131,13 @@ class FaultProxy:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self._srv.serve_forever, name="fault-proxy", daemon=True)
 
-    def pick(self) -> str | None:
+    def pick(self, method: str = "", path: str = "") -> str | None:
+        if self.match is not None and not self.match(method, path):
+            return None
         with self.lock:
             if self.fault_rate and self._rng.random() < self.fault_rate:
-                return self._rng.choice(self.kinds)
+                self._faults += 1
+                return self.kinds[self._faults % len(self.kinds)]  # in turn: a few faults meet every kind
         return None
 
     def start(self) -> "FaultProxy":

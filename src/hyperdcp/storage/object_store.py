@@ -30,7 +30,7 @@ from ..format.metadata import METADATA_FILE
 from ..format.safetensors import save_token
 from .base import FileWriter, SaveFiles, SaveStaging, Storage
 from .object_client import ObjectClient, ObjectExists, ObjectMissing, make_client, split_url
-from .retry import RetryPolicy
+from .retry import RetryPolicy, code_of
 from .urls import url_join
 
 #: bytes per multipart part and per ranged GET (S3 parts are 5 MiB .. 5 GiB, at most 10,000 per object)
@@ -60,6 +60,7 @@ class _Upload(FileWriter):
         self._upload_id: str | None = None
         self._stream: Any = None
         self._done = False
+        self._size = 0
         files.created.append(name)
 
     def _call(self, fn: Callable[[], Any], action: str) -> Any:
@@ -67,6 +68,7 @@ class _Upload(FileWriter):
 
     def write(self, data) -> None:
         mv = memoryview(data).cast("B")
+        self._size += len(mv)
         pb = self.storage.part_bytes
         while len(mv):
             take = min(pb - len(self._buf), len(mv))
@@ -113,7 +115,12 @@ class _Upload(FileWriter):
                 if self._buf:
                     self._send_part()
                 parts = [f.result() for f in self._parts]
-                self._call(lambda: client.complete_multipart(self.key, self._upload_id, parts), "completing the upload of")
+                try:
+                    self._call(lambda: client.complete_multipart(self.key, self._upload_id, parts),
+                               "completing the upload of")
+                except Exception as e:  # noqa: BLE001 - a retried completion whose first attempt landed
+                    if code_of(e.__cause__ or e) != "NoSuchUpload" or client.head(self.key) != self._size:
+                        raise
         except BaseException as e:
             self.discard()
             raise _wrap(f"uploading {self.what}", self.url, e) from e
@@ -183,6 +190,7 @@ class ObjectStaging(ObjectFiles, SaveStaging):
         keep = {f["name"] for f in json.loads(rec.decode("utf-8"))["files"]}
         try:  # the new record is in place: the replaced save's objects (and strays of interrupted ones) go
             st.delete_owned(lambda n: n not in keep)
+            self._abort_uploads()  # a retried CreateMultipartUpload whose first answer was lost left one
         except Exception:  # noqa: BLE001 - the checkpoint is committed; strays cost space, not correctness
             pass
 
@@ -190,11 +198,16 @@ class ObjectStaging(ObjectFiles, SaveStaging):
         st, token = self.storage, self.token
         try:
             st.delete_owned(lambda n: f"-{token}-" in n)
-            for key, uid in st.client.list_multipart(st.key("")):
-                if f"-{token}-" in key:
-                    st.client.abort_multipart(key, uid)
+            self._abort_uploads()
         except Exception:  # noqa: BLE001 - never raises: nothing of this save is listed without its record
             pass
+
+    def _abort_uploads(self) -> None:
+        """Abort the unfinished multipart uploads of this save's objects (writers that died or lost an answer)."""
+        st = self.storage
+        for key, uid in st.call(lambda: st.client.list_multipart(st.key("")), f"listing the uploads under {st.url}"):
+            if f"-{self.token}-" in key:
+                st.call(lambda k=key, u=uid: st.client.abort_multipart(k, u), f"aborting the upload of {key}")
 
     def release(self) -> None:
         pass
