@@ -15,6 +15,7 @@ is forwarded unchanged. Bodies are read whole (``Content-Length`` or chunked) an
 from __future__ import annotations
 
 import http.client
+import json
 import random
 import socket
 import struct
@@ -22,6 +23,8 @@ import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+#: GET this path on the proxy for its counters as JSON
+STATS_PATH = "/__proxy_stats"
 KINDS = ("503", "500", "reset_before", "reset_after", "cut_body")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "trailer", "upgrade"}
 
@@ -58,6 +61,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _handle(self) -> None:
         px = self.server.proxy
         body = self._body()
+        if self.path == STATS_PATH:  # the counters, for benchmark ranks in other processes (not forwarded)
+            with px.lock:
+                data = json.dumps(dict(px.stats)).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
         fault = px.pick(self.command, self.path)
         with px.lock:
             px.stats["requests"] += 1
