@@ -27,6 +27,8 @@ from ..storage.fsspec import MAX_REQUEST_BYTES, filesystem
 from ..storage.urls import LOCAL_PROTOCOLS, is_remote, local_path, local_save_path, storage_for, url_join
 from .base import ChunkReader as DataFiles
 
+#: bytes read with an object's size check, so that most safetensors headers need no request of their own
+HEADER_PREFETCH = 64 << 10
 #: a commit record larger than this is refused before it is downloaded (a wrong URL, not a checkpoint)
 MAX_METADATA_BYTES = 2 << 30
 
@@ -37,7 +39,7 @@ def read_remote_metadata_bytes(url: str, storage: Storage | None = None) -> byte
     st = storage if storage is not None else storage_for(url)
     meta_url = url_join(url, METADATA_FILE)
     try:
-        st.size(METADATA_FILE, "metadata file")
+        return st.read_all(METADATA_FILE, MAX_METADATA_BYTES, "metadata file")
     except CheckpointNotFoundError:
         if st.exists():
             raise IncompleteCheckpointError(
@@ -47,10 +49,6 @@ def read_remote_metadata_bytes(url: str, storage: Storage | None = None) -> byte
                 "earlier checkpoint"
             ) from None
         raise CheckpointNotFoundError(f"no checkpoint at {url!r}: {meta_url} does not exist; check the URL and step") from None
-    try:
-        return st.read_all(METADATA_FILE, MAX_METADATA_BYTES, "metadata file")
-    except CheckpointNotFoundError:
-        raise IncompleteCheckpointError(f"{meta_url} disappeared while it was read; retry, or load another checkpoint") from None
 
 
 def load_remote_metadata(url: str) -> Metadata:
@@ -110,8 +108,15 @@ class RemoteFiles(DataFiles):
 
     def _check_file(self, fidx: int) -> None:
         url, name = self.path(fidx), self.meta.files[fidx].name
+        probe = getattr(self.storage, "probe", None)  # object stores: header bytes and size in one request
+        first = b""
         try:
-            size = self.storage.size(name, "data file")
+            if probe is not None:
+                first, size = probe(name, HEADER_PREFETCH, "data file")
+                with self._lock:
+                    self.header_bytes_read += len(first)
+            else:
+                size = self.storage.size(name, "data file")
         except CheckpointNotFoundError:
             raise CorruptionError(f"data file {url} is missing; the checkpoint is damaged; restore it or load another "
                                   "checkpoint") from None
@@ -120,6 +125,8 @@ class RemoteFiles(DataFiles):
             raise CorruptionError(f"data file {url} has {size} bytes but the metadata records {want} (truncated or replaced)")
         if getattr(self.meta, "has_checksums", True):
             def header(n: int, off: int) -> bytes:
+                if off + n <= len(first):
+                    return first[off:off + n]
                 data = self.storage.fetch(name, off, n)
                 with self._lock:
                     self.header_bytes_read += len(data)

@@ -59,6 +59,10 @@ class ObjectClient(ABC):
     def get(self, key: str) -> bytes:
         """The whole object; ObjectMissing when absent."""
 
+    def get_range_sized(self, key: str, start: int, end: int) -> tuple[bytes, int | None]:
+        """:meth:`get_range` and the object's total size when the answer tells it (Content-Range), else None."""
+        return self.get_range(key, start, end), None
+
     @abstractmethod
     def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
         """One PUT (atomic); ObjectExists when ``if_none_match`` and the key exists."""
@@ -136,7 +140,7 @@ class S3fsClient(ObjectClient):
                 return None
             raise
 
-    async def _get(self, key: str, rng: str | None) -> bytes:
+    async def _get(self, key: str, rng: str | None) -> tuple[bytes, int | None]:
         kw = {"Range": rng} if rng else {}
         resp = await self._s3.get_object(Bucket=self.bucket, Key=key, **kw)
         async with resp["Body"] as body:
@@ -144,21 +148,25 @@ class S3fsClient(ObjectClient):
         want = resp.get("ContentLength")
         if want is not None and len(data) != int(want):
             raise ConnectionResetError(f"body cut short: {len(data)} of {want} bytes")  # retried
-        return data
+        total = str(resp.get("ContentRange") or "").rpartition("/")[2]
+        return data, int(total) if total.isdigit() else (len(data) if not rng else None)
 
-    def get_range(self, key: str, start: int, end: int) -> bytes:
+    def get_range_sized(self, key: str, start: int, end: int) -> tuple[bytes, int | None]:
         try:
             return self._run(self._get(key, f"bytes={start}-{end - 1}"))
         except Exception as e:  # noqa: BLE001
             if self._missing(e):
                 raise ObjectMissing(key) from None
             if status_of(e) == 416:  # the range starts past the end
-                return b""
+                return b"", None
             raise
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        return self.get_range_sized(key, start, end)[0]
 
     def get(self, key: str) -> bytes:
         try:
-            return self._run(self._get(key, None))
+            return self._run(self._get(key, None))[0]
         except Exception as e:  # noqa: BLE001
             if self._missing(e):
                 raise ObjectMissing(key) from None

@@ -327,16 +327,24 @@ class ObjectStorage(Storage):
         with self._lock:
             self.reads += 1
 
+    def probe(self, name: str, n: int, what: str = "file") -> tuple[bytes, int]:
+        """The first ``n`` bytes of ``name`` and its size, in one ranged GET where the store reports the size
+        (Content-Range); CheckpointNotFoundError when it is missing."""
+        try:
+            data, size = self.call(lambda: self.client.get_range_sized(self.key(name), 0, max(1, n)),
+                                   f"reading {what} {self.path(name)}")
+        except ObjectMissing:
+            raise CheckpointNotFoundError(f"{what} {self.path(name)} is missing") from None
+        if size is None:  # an empty object (416), or a store without Content-Range
+            size = self.size(name, what)
+        return data[:n], size
+
     def read_all(self, name: str, limit: int, what: str = "file") -> bytes:
         url = self.path(name)
-        size = self.size(name, what)
+        raw, size = self.probe(name, limit + 1, what)  # one request; never more than limit + 1 bytes
         if size > limit:
             raise FormatError(f"{what} {url} has {size} bytes, more than the {limit}-byte limit; the object is damaged "
                               "or is not what hyperdcp wrote (check the URL)")
-        try:
-            raw = self.call(lambda: self.client.get(self.key(name)), f"reading {what} {url}")
-        except ObjectMissing:
-            raise CheckpointNotFoundError(f"{what} {url} disappeared while it was read; retry") from None
         if len(raw) != size:
             raise CorruptionError(f"{what} {url}: received {len(raw)} bytes but the store reports {size}; retry")
         return raw
