@@ -2,7 +2,7 @@
 
     python -m tests.faults.s3_kill --trials 30 [--world 2]      # starts its own moto server on 127.0.0.1
 
-Each trial: ``--world`` spawned gloo ranks save step-1 of a 8 MiB sharded state to
+Each trial: ``--world`` spawned gloo ranks save step-1 of a 16 MiB sharded state to
 ``s3://BUCKET/trial-N/step-1``, then step-2, and rank ``world - 1`` SIGKILLs itself a random delay
 into the second save (``--world 1``: a lone process, no torch.distributed). Then, from the driver:
 
@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-ROWS, COLS = 2048, 1024  # float32: 8 MiB
+ROWS, COLS = 4096, 1024  # float32: 16 MiB; with 5 MiB parts every rank's file of a 2-rank save is a multipart upload
 
 
 def expected(step: int) -> np.ndarray:
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=30)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--max-delay", type=float, default=1.5, help="kill within this many seconds of the save start")
+    ap.add_argument("--max-delay", type=float, default=1.2, help="kill within this many seconds of the save start")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     from tests.s3_server import S3Server
@@ -134,10 +134,11 @@ def main(argv=None) -> int:
     try:
         server.make_bucket("kill-campaign")
         os.environ.update(server.env)
+        os.environ["HYPERDCP_S3_PART_BYTES"] = str(5 << 20)  # multipart uploads, killed between parts
         t0 = time.monotonic()
         for i in range(args.trials):
             root, delay = f"s3://kill-campaign/trial-{i}", rng.uniform(0.05, args.max_delay)
-            codes = run_trial(server.env, root, args.world, delay)
+            codes = run_trial({**server.env, "HYPERDCP_S3_PART_BYTES": str(5 << 20)}, root, args.world, delay)
             if None in codes:  # a rank outlived the trial's timeout (an overloaded machine): no verdict
                 counts["void"] = counts.get("void", 0) + 1
                 print(f"trial {i:2d}: VOID, a rank did not finish within the timeout: exit codes {codes}", flush=True)
