@@ -53,7 +53,7 @@ def _rank(rank: int, world: int, root: str, delay: float) -> str:
     if rank == world - 1:
         threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
     try:
-        hyperdcp.save(state(2), f"{root}/step-2", timeout=8)
+        hyperdcp.save(state(2), f"{root}/step-2", timeout=5)
     except hyperdcp.CheckpointError as e:
         return f"failed: {type(e).__name__}"
     return "committed"
