@@ -132,6 +132,9 @@ class FaultProxy:
         self.fault_rate, self.kinds = fault_rate, kinds
         #: ``match(method, path) -> bool``: only matching requests may be faulted (None: every request)
         self.match = match
+        #: fault every n-th (matching) request instead of a random fraction (0: use ``fault_rate``)
+        self.fault_every = 0
+        self._seen = 0
         self._rng = random.Random(seed)
         self._faults = 0
         self.lock = threading.Lock()
@@ -146,7 +149,9 @@ class FaultProxy:
         if self.match is not None and not self.match(method, path):
             return None
         with self.lock:
-            if self.fault_rate and self._rng.random() < self.fault_rate:
+            self._seen += 1
+            hit = (self._seen % self.fault_every == 0) if self.fault_every else self._rng.random() < self.fault_rate
+            if hit and (self.fault_rate or self.fault_every):
                 self._faults += 1
                 return self.kinds[self._faults % len(self.kinds)]  # in turn: a few faults meet every kind
         return None

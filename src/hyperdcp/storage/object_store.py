@@ -9,7 +9,7 @@ iff its record is there and valid, so a reader sees the old checkpoint or the ne
 a save killed at any point leaves nothing that lists or loads.
 
 Large files are multipart uploads whose parts (``part_bytes``) go up ``concurrency`` at a time, so a
-writer holds at most ``(concurrency + 1) * part_bytes`` bytes; an upload that fails is aborted. Reads
+writer holds at most ``(concurrency + 1) * part_bytes + MIN_PART`` bytes; an upload that fails is aborted. Reads
 are ranged GETs of at most ``max_request_bytes``, issued in parallel. Every request is retried by
 :class:`~.retry.RetryPolicy` (throttling, 5xx, resets) within a bounded total time.
 """
@@ -37,6 +37,9 @@ from .urls import url_join
 PART_BYTES = 16 << 20
 #: parts of one file in flight at once; ranged GETs of one read in flight at once
 CONCURRENCY = 4
+#: S3's smallest part but the last: a part is sent once this much more than ``part_bytes`` is buffered, so a
+#: file just over a multiple of ``part_bytes`` (a header) needs no tiny extra part
+MIN_PART = 5 << 20
 #: files this save wrote or a replaced save left: deleted by abort / after a commit (never foreign files)
 _OWNED = re.compile(r"^r\d{5}-(?:[0-9a-f]{12}-)?\d{2,}\.safetensors$")
 
@@ -71,15 +74,18 @@ class _Upload(FileWriter):
         self._size += len(mv)
         pb = self.storage.part_bytes
         while len(mv):
-            take = min(pb - len(self._buf), len(mv))
+            take = min(pb + MIN_PART - len(self._buf), len(mv))
             self._buf += mv[:take]
             mv = mv[take:]
-            if len(self._buf) >= pb:
-                self._send_part()
+            if len(self._buf) >= pb + MIN_PART:
+                self._send_part(pb)
 
-    def _send_part(self) -> None:
+    def _send_part(self, n: int | None = None) -> None:
+        """Send the first ``n`` buffered bytes (all by default) as the next part."""
         st, client = self.storage, self.storage.client
-        data, self._buf = bytes(self._buf), bytearray()
+        n = len(self._buf) if n is None else n
+        data = bytes(memoryview(self._buf)[:n])
+        del self._buf[:n]
         if not client.explicit_multipart:
             if self._stream is None:
                 self._stream = client.open_stream(self.key, st.part_bytes, st.concurrency)
@@ -108,10 +114,12 @@ class _Upload(FileWriter):
                 if self._buf:
                     self._stream.write(bytes(self._buf))
                 self._stream.close()
-            elif self._upload_id is None:
+            elif self._upload_id is None and len(self._buf) <= self.storage.part_bytes:
                 data = bytes(self._buf)
                 self._call(lambda: client.put(self.key, data), "uploading")
             else:
+                while len(self._buf) > self.storage.part_bytes:  # a tail of up to part + MIN_PART bytes
+                    self._send_part(self.storage.part_bytes)
                 if self._buf:
                     self._send_part()
                 parts = [f.result() for f in self._parts]
@@ -173,6 +181,8 @@ class ObjectStaging(ObjectFiles, SaveStaging):
         super().__init__(storage, location)
         self.overwrite = overwrite
         self.token = save_token(location.rstrip("/").rsplit("/", 1)[-1])
+        #: the names under the prefix when the save began: the replaced save's and interrupted saves' objects
+        self.present: list[str] = []
 
     def commit(self, record: bytes) -> None:
         st, rec = self.storage, bytes(record)
@@ -189,8 +199,8 @@ class ObjectStaging(ObjectFiles, SaveStaging):
                     "is discarded; pass overwrite=True to replace it, or save to a new path") from None
         keep = {f["name"] for f in json.loads(rec.decode("utf-8"))["files"]}
         try:  # the new record is in place: the replaced save's objects (and strays of interrupted ones) go
-            st.delete_owned(lambda n: n not in keep)
-            self._abort_uploads()  # a retried CreateMultipartUpload whose first answer was lost left one
+            st.delete_owned(lambda n: n not in keep, self.present)
+            self._abort_uploads()  # a CreateMultipartUpload retried after its answer was lost left one
         except Exception:  # noqa: BLE001 - the checkpoint is committed; strays cost space, not correctness
             pass
 
@@ -362,21 +372,23 @@ class ObjectStorage(Storage):
                                           "and step")
         return names
 
-    def delete_owned(self, which: Callable[[str], bool]) -> None:
-        """Delete the hyperdcp data and rank files under the prefix for which ``which(name)``."""
-        doomed = [self.key(n) for n in self.names()
+    def delete_owned(self, which: Callable[[str], bool], names: list[str] | None = None) -> None:
+        """Delete the hyperdcp data and rank files under the prefix (or among ``names``) for which ``which(name)``."""
+        doomed = [self.key(n) for n in (self.names() if names is None else names)
                   if (_OWNED.match(n) or rank_files.is_rank_file(n)) and which(n)]
         if doomed:
             self.call(lambda: self.client.delete(doomed), f"deleting {len(doomed)} replaced object(s) under {self.url}")
 
     # -- save --------------------------------------------------------------------------------------
     def begin_save(self, *, overwrite: bool) -> ObjectStaging:
-        exists = self.call(lambda: self.client.head(self.key(METADATA_FILE)), f"checking {self.path(METADATA_FILE)}")
-        if exists is not None and not overwrite:
+        present = self.names()  # one LIST: is there a record, and what a commit will have to clean up
+        if METADATA_FILE in present and not overwrite:
             raise CheckpointExistsError(
                 f"a checkpoint already exists at {self.url!r}; pass overwrite=True to replace it (the old one stays "
                 "loadable until the new one is committed) or save to a new path")
-        return ObjectStaging(self, f"{self.url}/save-{secrets.token_hex(8)}", overwrite)
+        staging = ObjectStaging(self, f"{self.url}/save-{secrets.token_hex(8)}", overwrite)
+        staging.present = present
+        return staging
 
     def writer_at(self, location: str) -> ObjectFiles:
         if location.rstrip("/").rsplit("/", 1)[0] != self.url:
