@@ -114,11 +114,11 @@ class _Upload(FileWriter):
                 if self._buf:
                     self._stream.write(bytes(self._buf))
                 self._stream.close()
-            elif self._upload_id is None and len(self._buf) <= self.storage.part_bytes:
+            elif self._upload_id is None and len(self._buf) <= self.storage.part_bytes + MIN_PART:
                 data = bytes(self._buf)
                 self._call(lambda: client.put(self.key, data), "uploading")
             else:
-                while len(self._buf) > self.storage.part_bytes:  # a tail of up to part + MIN_PART bytes
+                while len(self._buf) > self.storage.part_bytes + MIN_PART:  # the last part: up to part + MIN_PART
                     self._send_part(self.storage.part_bytes)
                 if self._buf:
                     self._send_part()
