@@ -276,7 +276,7 @@ def test_unreachable_server_is_a_storage_error():
 
 
 def test_save_to_url_is_refused(tmp_path):
-    for url in ("s3://bucket/ckpt", "http://127.0.0.1:1/ckpt", "memory://ckpt"):
+    for url in ("http://127.0.0.1:1/ckpt", "memory://ckpt"):  # s3:// URLs save (issue 14: tests/test_s3_*.py)
         with pytest.raises(hyperdcp.UnsupportedStorageError, match="not supported yet.*upload"):
             hyperdcp.save(_full_state(), url)
         with pytest.raises(hyperdcp.UnsupportedStorageError, match="not supported yet"):

@@ -20,7 +20,7 @@ from .planning.save_plan import PlanCache
 from .results import LoadResult
 from .saving import SaveResult, persist, stage
 from .sources import open_source
-from .storage.urls import local_save_path
+from .storage.urls import save_path, storage_options_scope
 
 
 def plan_cache() -> PlanCache:
@@ -66,7 +66,7 @@ def save(state_dict: Any, path: str | os.PathLike, *, options: SaveOptions | Non
         >>> res.bytes_written  # doctest: +SKIP
         32
     """
-    path = local_save_path(path)  # remote URLs: UnsupportedStorageError (save locally and upload)
+    path = save_path(path)  # s3:// URLs as given; other URLs: UnsupportedStorageError (save locally and upload)
     opts = resolve(SaveOptions, options, overrides)
     coord = coordinator or coordinator_for(opts.process_group, opts.timeout)
     coord.arrive(f"save to {path!r}")
@@ -112,7 +112,8 @@ def load(state_dict: Any, path: str | os.PathLike, *, options: LoadOptions | Non
     coord = coordinator or coordinator_for(opts.process_group, opts.timeout)
     flat, rebuild = flatten_tree(state_dict, for_load=True)  # a JAX pytree -> {key: target}
     coord.arrive(f"load of {os.fspath(path)!r}")
-    result = _load(flat, os.fspath(path), coord, opts)
+    with storage_options_scope(opts.storage_options):
+        result = _load(flat, os.fspath(path), coord, opts)
     if rebuild is not None:  # JAX arrays are immutable: the loaded tree is new, the target untouched
         result.state = rebuild(flat)
     return result

@@ -36,7 +36,7 @@ from .format.metadata import METADATA_FILE, Metadata, max_metadata_bytes
 from .options import LoadOptions, SaveOptions
 from .retention import Retention, SaveSchedule, StepInfo
 from .storage.commit import load_metadata, recover_under, torch_dcp_message
-from .storage.urls import is_remote, local_path, storage_for, url_join
+from .storage.urls import is_object_store, is_remote, local_path, storage_for, url_join
 
 log = logging.getLogger("hyperdcp")
 #: the key of the manager's entry in a checkpoint's user metadata (``Metadata.user``)
@@ -48,6 +48,10 @@ _NUM = re.compile(r"(\d+)(?!.*\d)")
 def list_checkpoints(root: str | os.PathLike) -> list[str]:
     """Paths of the complete checkpoints directly under ``root``, oldest first."""
     root = os.fspath(root)
+    if is_object_store(root):  # s3://bucket/run: committed records only (storage/object_listing.py)
+        from .storage.object_listing import committed_checkpoints
+
+        return committed_checkpoints(root)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"{root!r} is not a directory; pass the directory that holds the checkpoints")
     if torch_dcp_message(root):

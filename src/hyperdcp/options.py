@@ -28,6 +28,9 @@ class SaveOptions:
     plan_cache: bool = True
     #: free-form JSON-serialisable metadata stored with the checkpoint
     user_metadata: dict = field(default_factory=dict)
+    #: the object-store client's configuration for s3:// paths (s3fs keyword arguments: endpoint_url, key,
+    #: secret, client_kwargs...; "client": "obstore" picks the other client); None: the client's own config
+    storage_options: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ class LoadOptions:
     #: unpickled), or one kind by name: ``"hyperdcp"``, ``"huggingface"``, ``"torch-dcp"`` (opt-in: a
     #: torch.distributed.checkpoint directory, its ``.metadata`` read with a restricted unpickler)
     source: str = "auto"
+    #: the object-store client's configuration for s3:// paths (see SaveOptions.storage_options)
+    storage_options: dict | None = None
 
 
 ASYNC_MODES = ("gloo", "file", "none")

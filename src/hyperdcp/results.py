@@ -8,6 +8,7 @@ from typing import Any
 
 from .format.metadata import Metadata
 from .storage.commit import load_metadata
+from .storage.urls import is_object_store
 
 
 @dataclass
@@ -27,7 +28,12 @@ class SaveResult:
     def metadata(self) -> Metadata:
         """The committed metadata (read from disk on ranks other than 0)."""
         if self._metadata is None:
-            self._metadata = load_metadata(self.path)
+            if is_object_store(self.path):
+                from .storage.object_listing import read_record
+
+                self._metadata = read_record(self.path)
+            else:
+                self._metadata = load_metadata(self.path)
         return self._metadata
 
     def __repr__(self) -> str:

@@ -69,9 +69,12 @@ def async_save(state_dict: Any, path: str | os.PathLike, *, options: SaveOptions
     if aopts.coordination not in MODES:
         raise ValueError(f"coordination must be one of {MODES}, got {aopts.coordination!r}")
     from ..coordination import default_coordinator as coordinator_for
-    from ..storage.urls import local_save_path
+    from ..storage.urls import save_path
 
-    path = local_save_path(path)  # remote URLs: UnsupportedStorageError (save locally and upload)
+    path = save_path(path)  # s3:// URLs as given (the persist process uploads); other URLs: UnsupportedStorageError
+    if "://" in path and aopts.coordination == "file" and not aopts.exchange_dir:
+        raise ValueError(f"async_save to {path!r} with coordination='file' needs exchange_dir= (a directory every "
+                         "rank shares); the default lies next to the checkpoint, which an object store has not")
     opts = resolve(SaveOptions, options, overrides)
     coord = coordinator or coordinator_for(opts.process_group, opts.timeout)
     sess = open_session(coord, aopts.coordination)

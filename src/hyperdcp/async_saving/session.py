@@ -145,7 +145,7 @@ class _Session:
                     "pass wait=True to wait for it"
                 )
             prev.wait()  # bounded: a stuck persist process fails it (see _check_stuck)
-        path = os.path.abspath(os.fspath(path))
+        path = os.fspath(path) if "://" in os.fspath(path) else os.path.abspath(os.fspath(path))  # s3:// URLs as given
         seq = self.seq
         self.seq += 1
         worker = self._worker(seq)  # before staging: a replaced process needs a fresh staging area

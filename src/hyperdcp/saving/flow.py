@@ -40,6 +40,7 @@ from ..results import SaveResult
 from ..storage.base import SaveStaging, Storage
 from ..storage.identity import DIGEST_BYTES, mismatch_among, path_digest
 from ..storage.local import LocalStorage
+from ..storage.urls import storage_for
 from . import write
 from .stage import StagedState
 
@@ -105,7 +106,7 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
     """
     t0 = time.perf_counter()
     W, rank = coord.world_size, coord.rank
-    storage = storage if storage is not None else LocalStorage(path)
+    storage = storage if storage is not None else storage_for(path, opts.storage_options)
     staging: SaveStaging | None = None
 
     content = b""

@@ -27,7 +27,7 @@ from ..format.safetensors import save_token
 from ..options import SaveOptions
 from ..results import SaveResult
 from ..storage.base import Storage
-from ..storage.local import LocalStorage
+from ..storage.urls import storage_for
 from . import write
 from .stage import StagedState
 
@@ -36,7 +36,7 @@ def persist_alone(path: str, rank: int, world_size: int, staged: StagedState, mi
                   values_encoded: dict, opts: SaveOptions, save_id: str, storage: Storage | None = None) -> SaveResult:
     """Write this rank's share of a checkpoint with no communication at all."""
     t0 = time.perf_counter()
-    storage = storage if storage is not None else LocalStorage(path)
+    storage = storage if storage is not None else storage_for(path, opts.storage_options)
     files = storage.begin_in_place(rank)
     path = files.location
     mine_file = rank_files.rank_file_name(rank)
@@ -110,7 +110,7 @@ def finalize(path: str, storage: Storage | None = None) -> Metadata:
 
         hyperdcp.finalize("ckpt/step-100")
     """
-    storage = storage if storage is not None else LocalStorage(path)
+    storage = storage if storage is not None else storage_for(path)
     try:
         meta = merge_at(storage)
         storage.begin_in_place(0).put(METADATA_FILE, meta.to_json())

@@ -1,24 +1,16 @@
-"""Reading checkpoints from remote storage through fsspec (read side only).
+"""Reading checkpoints from URLs: the commit record and :class:`RemoteFiles`, both through :class:`Storage`.
 
-Deprecated location: the URL helpers live in :mod:`hyperdcp.storage.urls`, the byte-range storage in
-:mod:`hyperdcp.storage.fsspec` (:class:`~hyperdcp.storage.fsspec.FsspecStorage`); :class:`RemoteFiles`
-and the commit-record reader stay here until the sources' ChunkReader replaces them.
+A checkpoint root may be a URL: ``s3://bucket/ckpt/step-100`` (read through
+:class:`~hyperdcp.storage.object_store.ObjectStorage`: parallel ranged GETs with retries) or any other
+protocol fsspec knows (``https://``, ``gs://``...; :class:`~hyperdcp.storage.fsspec.FsspecStorage`). The
+metadata's file names are validated plain names joined to the root with ``/``, so every read stays
+inside the checkpoint. The URL helpers live in :mod:`hyperdcp.storage.urls` (re-exported here).
 
-A checkpoint root may be a URL (``https://host/ckpt/step-100``, ``s3://bucket/ckpt/step-100``, any
-protocol fsspec knows). The commit record and the data files are joined to the root with ``/``; the
-metadata's file names are validated plain names, so every read stays inside the checkpoint.
-
-* :func:`is_remote`: a URL whose protocol is not ``file``/``local`` (those, like plain paths, are
-  read from the local file system with :class:`~hyperdcp.sources.base.ChunkReader`);
 * :func:`read_remote_metadata_bytes` / :func:`load_remote_metadata`: the commit record from a URL;
-* :class:`RemoteFiles`: ranged, verified reads of the data files with the interface of ``DataFiles``;
-* :func:`open_files`: ``DataFiles`` or ``RemoteFiles`` for a root;
-* :func:`local_save_path`: saves go to local paths only (remote saves raise
-  :class:`~hyperdcp.errors.UnsupportedStorageError`).
+* :class:`RemoteFiles`: a :class:`~hyperdcp.sources.base.ChunkReader` whose reads go through the
+  URL's :class:`~hyperdcp.storage.base.Storage` (size and header checked once per file);
+* :func:`open_files`: ``ChunkReader`` or ``RemoteFiles`` for a root.
 
-Every data read is one or more ranged requests (``fs.cat_file(path, start, end)``), at most
-``max_request_bytes`` each, so no read-ahead cache fetches bytes nobody asked for. Credentials and
-other storage options come from fsspec's usual configuration (environment variables, config files).
 Remote roots must be committed hyperdcp checkpoints: HuggingFace directories and unmerged
 no-collectives async saves are recognised on local paths only.
 """
@@ -27,39 +19,29 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
 
-from ..errors import (
-    CheckpointNotFoundError,
-    CorruptionError,
-    FormatError,
-    IncompleteCheckpointError,
-    StorageError,
-)
+from ..errors import CheckpointNotFoundError, CorruptionError, IncompleteCheckpointError
 from ..format.metadata import METADATA_FILE, Metadata
-from ..storage.fsspec import MAX_REQUEST_BYTES, _missing, _storage_error, filesystem
-from ..storage.urls import LOCAL_PROTOCOLS, is_remote, local_path, local_save_path, url_join
+from ..storage.base import Storage
+from ..storage.fsspec import MAX_REQUEST_BYTES, filesystem
+from ..storage.urls import LOCAL_PROTOCOLS, is_remote, local_path, local_save_path, storage_for, url_join
 from .base import ChunkReader as DataFiles
 
+#: bytes read with an object's size check, so that most safetensors headers need no request of their own
+HEADER_PREFETCH = 64 << 10
 #: a commit record larger than this is refused before it is downloaded (a wrong URL, not a checkpoint)
 MAX_METADATA_BYTES = 2 << 30
 
 
-def read_remote_metadata_bytes(url: str) -> bytes:
+def read_remote_metadata_bytes(url: str, storage: Storage | None = None) -> bytes:
     """The raw commit record of the checkpoint at ``url``; clear errors when there is none."""
-    url = os.fspath(url)
-    fs, root = filesystem(url)
-    meta_url, meta_path = url_join(url, METADATA_FILE), url_join(root, METADATA_FILE)
+    url = os.fspath(url).rstrip("/")
+    st = storage if storage is not None else storage_for(url)
+    meta_url = url_join(url, METADATA_FILE)
     try:
-        info = fs.info(meta_path)
-    except FileNotFoundError as e:
-        if not _missing(e):
-            raise _storage_error("reading", meta_url, e.__cause__ or e) from e
-        try:
-            root_exists = bool(fs.exists(root))
-        except Exception:  # noqa: BLE001 - best effort: many servers cannot tell
-            root_exists = False
-        if root_exists:
+        return st.read_all(METADATA_FILE, MAX_METADATA_BYTES, "metadata file")
+    except CheckpointNotFoundError:
+        if st.exists():
             raise IncompleteCheckpointError(
                 f"incomplete checkpoint at {url!r}: it has no {METADATA_FILE} (the save did not finish or this is not "
                 "a hyperdcp checkpoint; no-collectives async saves must be finalized with "
@@ -67,30 +49,6 @@ def read_remote_metadata_bytes(url: str) -> bytes:
                 "earlier checkpoint"
             ) from None
         raise CheckpointNotFoundError(f"no checkpoint at {url!r}: {meta_url} does not exist; check the URL and step") from None
-    except Exception as e:  # noqa: BLE001
-        raise _storage_error("reading", meta_url, e) from e
-    if info.get("type", "file") != "file":
-        raise FormatError(f"{meta_url} is not a regular file; the checkpoint is damaged")
-    size = info.get("size")
-    if size is not None and size > MAX_METADATA_BYTES:
-        raise FormatError(
-            f"{meta_url} is {size} bytes, more than the {MAX_METADATA_BYTES}-byte limit of a commit record; it is not "
-            "hyperdcp metadata (check the URL)"
-        )
-    try:
-        raw = fs.cat_file(meta_path)
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(f"{meta_url} disappeared while it was read; retry, or load another checkpoint") from None
-    except Exception as e:  # noqa: BLE001
-        raise _storage_error("reading", meta_url, e) from e
-    if len(raw) > MAX_METADATA_BYTES:
-        raise FormatError(f"{meta_url} is larger than the {MAX_METADATA_BYTES}-byte limit of a commit record; check the URL")
-    if size is not None and len(raw) != size:
-        raise CorruptionError(
-            f"{meta_url}: received {len(raw)} bytes but the storage reports {size}; the transfer was cut short or the "
-            "file changed; retry"
-        )
-    return bytes(raw)
 
 
 def load_remote_metadata(url: str) -> Metadata:
@@ -99,44 +57,42 @@ def load_remote_metadata(url: str) -> Metadata:
 
 
 class RemoteFiles(DataFiles):
-    """Ranged, verified reads of a checkpoint's data files through fsspec; the interface of :class:`DataFiles`.
+    """Ranged, verified reads of a checkpoint's data files through the URL's :class:`Storage`.
 
     Each file is checked once, before its first read: its size must equal the metadata's and its
     safetensors header must describe exactly the chunks the metadata puts in it. ``bytes_read`` and
     ``reads`` count the data reads (bytes requested from storage, one per :meth:`read_into`), as
-    ``DataFiles`` does; the header checks are counted apart in ``header_bytes_read``, and ``requests``
-    counts every ranged request. Safe to use from several threads.
+    ``ChunkReader`` does; the header checks are counted apart in ``header_bytes_read``, and ``requests``
+    counts every request the storage made. Safe to use from several threads.
     """
 
-    def __init__(self, root: str, metadata: Metadata, max_request_bytes: int = MAX_REQUEST_BYTES):
+    def __init__(self, root: str, metadata: Metadata, max_request_bytes: int = MAX_REQUEST_BYTES,
+                 storage: Storage | None = None):
+        self.storage = storage if storage is not None else storage_for(os.fspath(root).rstrip("/"))
+        if storage is None and hasattr(self.storage, "max_request_bytes") and max_request_bytes != MAX_REQUEST_BYTES:
+            self.storage.max_request_bytes = max(1, int(max_request_bytes))  # type: ignore[attr-defined]
         super().__init__(root, metadata)
         self.url = self.root.rstrip("/")
-        self._fs: Any = None  # opened on first use, so a failure happens inside the load's error exchange
-        self._fs_root = ""
-        self.max_request_bytes = max(1, int(max_request_bytes))
         self._checked: set[int] = set()
         self._file_locks: dict[int, threading.Lock] = {}
         self.header_bytes_read = 0
-        self.requests = 0
 
     @property
-    def fs(self) -> Any:
-        """fsspec's file system for the root (created on first use)."""
-        if self._fs is None:
-            with self._lock:
-                if self._fs is None:
-                    fs, fs_root = filesystem(self.root)
-                    self._fs_root = fs_root.rstrip("/")
-                    self._fs = fs
-        return self._fs
+    def bytes_read(self) -> int:  # type: ignore[override]
+        """Data bytes the storage delivered to :meth:`read_into` (header checks apart)."""
+        return self.storage.bytes_read
+
+    @bytes_read.setter
+    def bytes_read(self, value: int) -> None:
+        pass  # ChunkReader.__init__ sets 0; the storage keeps the count
+
+    @property
+    def requests(self) -> int:
+        return int(getattr(self.storage, "requests", 0))
 
     def path(self, fidx: int) -> str:
         """The URL of data file ``fidx`` (for messages)."""
         return url_join(self.url, self.meta.files[fidx].name)
-
-    def _fs_path(self, fidx: int) -> str:
-        _ = self.fs  # creates the file system (and _fs_root) on first use
-        return url_join(self._fs_root, self.meta.files[fidx].name)
 
     def fd(self, fidx: int) -> int:
         """Check data file ``fidx`` (once) and return a handle for it (``fidx`` itself)."""
@@ -151,76 +107,45 @@ class RemoteFiles(DataFiles):
         return fidx
 
     def _check_file(self, fidx: int) -> None:
-        url = self.path(fidx)
+        url, name = self.path(fidx), self.meta.files[fidx].name
+        probe = getattr(self.storage, "probe", None)  # object stores: header bytes and size in one request
+        first = b""
         try:
-            info = self.fs.info(self._fs_path(fidx))
-        except FileNotFoundError as e:
-            if not _missing(e):
-                raise _storage_error("opening data file", url, e.__cause__ or e) from e
-            raise CorruptionError(f"data file {url} is missing; the checkpoint is damaged; restore it or load another checkpoint") from None
-        except Exception as e:  # noqa: BLE001
-            raise _storage_error("opening data file", url, e) from e
-        if info.get("islink"):
-            raise FormatError(f"data file {url} is a symbolic link; hyperdcp never follows links inside a checkpoint")
-        if info.get("type", "file") != "file":
-            raise FormatError(f"{url} is not a regular file")
-        size, want = info.get("size"), self.meta.files[fidx].nbytes
-        if size is None:
-            raise StorageError(
-                f"cannot check data file {url}: the storage does not report its size, which hyperdcp needs to detect "
-                "truncated files; serve it with a Content-Length (or from storage that reports sizes)"
-            )
+            if probe is not None:
+                first, size = probe(name, HEADER_PREFETCH, "data file")
+                with self._lock:
+                    self.header_bytes_read += len(first)
+            else:
+                size = self.storage.size(name, "data file")
+        except CheckpointNotFoundError:
+            raise CorruptionError(f"data file {url} is missing; the checkpoint is damaged; restore it or load another "
+                                  "checkpoint") from None
+        want = self.meta.files[fidx].nbytes
         if size != want:
             raise CorruptionError(f"data file {url} has {size} bytes but the metadata records {want} (truncated or replaced)")
         if getattr(self.meta, "has_checksums", True):
-            self._check_header(fidx, lambda n, off: self._fetch(fidx, off, n, header=True), url)  # type: ignore[arg-type]
+            def header(n: int, off: int) -> bytes:
+                if off + n <= len(first):
+                    return first[off:off + n]
+                data = self.storage.fetch(name, off, n)
+                with self._lock:
+                    self.header_bytes_read += len(data)
+                return data
 
-    def _fetch(self, fidx: int, offset: int, n: int, header: bool = False) -> bytes:
-        """Bytes [offset, offset + n) of data file ``fidx`` in one ranged request (fewer at end of file)."""
-        if n <= 0:
-            return b""
-        url = self.path(fidx)
-        try:
-            data = self.fs.cat_file(self._fs_path(fidx), start=offset, end=offset + n)
-        except FileNotFoundError:
-            raise CorruptionError(f"data file {url} is missing; the checkpoint is damaged; restore it or load another checkpoint") from None
-        except Exception as e:  # noqa: BLE001
-            raise _storage_error(f"reading bytes {offset}..{offset + n} of", url, e) from e
-        with self._lock:
-            self.requests += 1
-            if header:
-                self.header_bytes_read += len(data)
-            else:
-                self.bytes_read += len(data)
-        if len(data) > n:
-            raise StorageError(
-                f"reading bytes {offset}..{offset + n} of {url}: the storage sent {len(data)} bytes instead of {n}; it "
-                "ignores ranged requests (HTTP Range); serve the checkpoint from storage that honours them"
-            )
-        return data
+            self._check_header(fidx, header, url)  # type: ignore[arg-type]
 
     def read_into(self, fidx: int, offset: int, out, what: str = "") -> None:
         """Fill ``out`` (a writable bytes-like) from ``offset`` with ranged requests; a short read is corruption."""
-        mv = memoryview(out).cast("B")
         self.fd(fidx)
-        done = 0
-        while done < len(mv):
-            n = min(self.max_request_bytes, len(mv) - done)
-            data = self._fetch(fidx, offset + done, n)
-            if len(data) < n:
-                raise CorruptionError(
-                    f"{self.path(fidx)}: unexpected end of file while reading {what} (got {done + len(data)} of "
-                    f"{len(mv)} bytes from offset {offset}); the file is truncated; restore it or load another checkpoint"
-                )
-            mv[done : done + n] = data
-            done += n
+        self.storage.read_into(self.meta.files[fidx].name, offset, out, what)
         with self._lock:
             self.reads += 1
 
     def close(self) -> None:
-        """Forget the checks (fsspec's file systems are shared instances and stay open)."""
+        """Forget the checks and release the storage's handles."""
         with self._lock:
             self._checked.clear()
+        self.storage.close()
 
 
 def open_files(root: str, metadata: Metadata) -> DataFiles:

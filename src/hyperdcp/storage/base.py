@@ -25,7 +25,7 @@ Call order, no-collectives save (each rank alone, see docs/FORMAT.md)::
     files.create(name) ... ; files.put(rank file name, record)       # the rank's record last, atomically
 
 ``atomic_replace`` says whether an overwrite swaps the whole checkpoint at once (local: renameat2). A
-store without it (object stores, next issue) still commits atomically in the format's sense -- the
+store without it (object stores: :class:`~.object_store.ObjectStorage`) still commits atomically in the format's sense -- the
 checkpoint is complete iff its commit record is present and valid -- by writing data files under
 per-save names and :meth:`SaveStaging.commit` putting the record last; ``location`` is then the final
 prefix plus that token, so the interface needs no rename.
@@ -164,6 +164,24 @@ class Storage(ABC):
         """Remove what killed saves and deletions left directly under this location (temporaries no live
         save holds, trash); returns the names removed. Default: nothing to do."""
         return []
+
+    def fetch(self, name: str, offset: int, n: int) -> bytes:
+        """Bytes [offset, offset + n) of ``name`` in one request where the storage has requests (fewer at the end
+        of the file); not counted in ``bytes_read`` (headers, probes)."""
+        out = bytearray(max(0, min(n, self.size(name) - offset)))
+        before, reads = self.bytes_read, self.reads
+        self.read_into(name, offset, out)
+        self.bytes_read, self.reads = before, reads
+        return bytes(out)
+
+    def exists(self) -> bool:
+        """Whether anything is stored at the location (a checkpoint or the remains of a save)."""
+        from ..errors import CheckpointNotFoundError
+
+        try:
+            return bool(self.list())
+        except CheckpointNotFoundError:
+            return False
 
     def close(self) -> None:  # noqa: B027 - an optional hook: the default does nothing
         """Release open handles (a storage stays usable: it reopens on the next read)."""

@@ -5,11 +5,11 @@ read-ahead cache fetches bytes nobody asked for; names are validated plain file 
 root with ``/``, so every read stays inside the checkpoint. Credentials and other storage options come
 from fsspec's usual configuration (environment variables, config files).
 
-Saving is not supported yet (:meth:`FsspecStorage.begin_save` raises UnsupportedStorageError). The
-interface leaves room for it without renames or locks: a save's data files go under the final prefix
-with a per-save token in their names (``location`` = prefix + token; the commit record lists the
-names), and ``SaveStaging.commit`` puts ``hyperdcp.json`` last; files of a replaced save are deleted
-after the new record is in place.
+Saving through fsspec is not supported (:meth:`FsspecStorage.begin_save` raises UnsupportedStorageError):
+``s3://`` URLs are saved and loaded by :class:`~.object_store.ObjectStorage` (its s3fs client is built on
+the same fsspec configuration), which commits without renames: data objects under per-save names, the
+record last, replaced objects deleted after it. :class:`~hyperdcp.sources.remote.RemoteFiles` reads any
+of them through this interface.
 """
 
 from __future__ import annotations
@@ -150,14 +150,17 @@ class FsspecStorage(Storage):
             n = min(self.max_request_bytes, len(mv) - done)
             data = self.fetch(name, offset + done, n)
             if len(data) < n:
+                with self._lock:
+                    self.bytes_read += len(data)
                 raise CorruptionError(
                     f"{self.path(name)}: unexpected end of file while reading {what} (got {done + len(data)} of "
                     f"{len(mv)} bytes from offset {offset}); the file is truncated; restore it or load another checkpoint"
                 )
             mv[done : done + n] = data
             done += n
+            with self._lock:
+                self.bytes_read += n
         with self._lock:
-            self.bytes_read += done
             self.reads += 1
 
     def read_all(self, name: str, limit: int, what: str = "file") -> bytes:
@@ -188,6 +191,13 @@ class FsspecStorage(Storage):
         except Exception as e:  # noqa: BLE001
             raise _storage_error("listing", self.url, e) from e
         return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries} - {""})
+
+    def exists(self) -> bool:
+        """Whether anything is at the root (best effort: many HTTP servers cannot tell; False then)."""
+        try:
+            return bool(self.fs.exists(self._fs_root))
+        except Exception:  # noqa: BLE001
+            return False
 
     def _unsupported(self) -> UnsupportedStorageError:
         return UnsupportedStorageError(

@@ -3,15 +3,21 @@
 * :func:`is_remote`: a URL whose protocol is not ``file``/``local`` (read through fsspec);
 * :func:`local_path`: the local path of a plain path or a ``file://``/``local://`` URL;
 * :func:`url_join`: ``root/name`` for a validated plain file name;
-* :func:`local_save_path`: saves go to local paths only for now (remote saves raise
-  :class:`~hyperdcp.errors.UnsupportedStorageError`);
-* :func:`storage_for`: the :class:`~hyperdcp.storage.base.Storage` of a path or URL.
+* :func:`local_save_path` / :func:`save_path`: where a save may go (local paths, and ``s3://`` URLs for
+  :func:`save_path`; other URLs raise :class:`~hyperdcp.errors.UnsupportedStorageError`);
+* :func:`storage_for`: the :class:`~hyperdcp.storage.base.Storage` of a path or URL: local,
+  :class:`~.object_store.ObjectStorage` for ``s3://``, :class:`~.fsspec.FsspecStorage` (read-only) otherwise;
+* :func:`storage_options_scope`: the ``storage_options`` every storage made inside it gets (what
+  ``hyperdcp.load(..., storage_options=)`` uses so that the sources need no extra argument).
 """
 
 from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
 
 from ..errors import UnsupportedStorageError
 from .base import Storage
@@ -19,6 +25,9 @@ from .base import Storage
 #: protocols read from the local file system (plain paths have none)
 LOCAL_PROTOCOLS = ("file", "local")
 _PROTOCOL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+)://")
+#: protocols saved to and loaded from through :class:`~.object_store.ObjectStorage`
+OBJECT_PROTOCOLS = ("s3", "s3a")
+_OPTIONS: ContextVar[dict | None] = ContextVar("hyperdcp_storage_options", default=None)
 
 
 def _protocol(path: str) -> str | None:
@@ -67,9 +76,39 @@ def local_save_path(path: str | os.PathLike) -> str:
     return local_path(path)
 
 
-def storage_for(path: str | os.PathLike) -> Storage:
-    """:class:`~.local.LocalStorage` for a plain path or ``file://`` URL, :class:`~.fsspec.FsspecStorage` for a URL."""
+def is_object_store(path: str | os.PathLike) -> bool:
+    """True for an ``s3://`` URL (saved and loaded through :class:`~.object_store.ObjectStorage`)."""
+    return isinstance(path, str) and _protocol(path) in OBJECT_PROTOCOLS
+
+
+def save_path(path: str | os.PathLike) -> str:
+    """What a save writes to: an ``s3://`` URL as given, else the local directory (:func:`local_save_path`)."""
     path = os.fspath(path)
+    return path.rstrip("/") if is_object_store(path) else local_save_path(path)
+
+
+@contextmanager
+def storage_options_scope(options: dict | None) -> Iterator[None]:
+    """Within the block, :func:`storage_for` gives ``options`` to every storage it makes (None: no change)."""
+    if options is None:
+        yield
+        return
+    token = _OPTIONS.set(dict(options))
+    try:
+        yield
+    finally:
+        _OPTIONS.reset(token)
+
+
+def storage_for(path: str | os.PathLike, storage_options: dict | None = None) -> Storage:
+    """:class:`~.local.LocalStorage` for a plain path or ``file://`` URL, :class:`~.object_store.ObjectStorage`
+    for ``s3://`` URLs, :class:`~.fsspec.FsspecStorage` for other URLs. ``storage_options``: the client's
+    configuration (default: the enclosing :func:`storage_options_scope`, else the client's own)."""
+    path = os.fspath(path)
+    if is_object_store(path):
+        from .object_store import ObjectStorage
+
+        return ObjectStorage(path, storage_options if storage_options is not None else _OPTIONS.get())
     if is_remote(path):
         from .fsspec import FsspecStorage
 
@@ -79,4 +118,5 @@ def storage_for(path: str | os.PathLike) -> Storage:
     return LocalStorage(local_path(path))
 
 
-__all__ = ["LOCAL_PROTOCOLS", "is_remote", "local_path", "local_save_path", "storage_for", "url_join"]
+__all__ = ["LOCAL_PROTOCOLS", "OBJECT_PROTOCOLS", "is_object_store", "is_remote", "local_path", "local_save_path",
+           "save_path", "storage_for", "storage_options_scope", "url_join"]

@@ -88,6 +88,9 @@ def hf_to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool
 
     t0 = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
+    from ..storage.urls import local_save_path
+
+    dst = local_save_path(dst)  # URLs: UnsupportedStorageError (convert locally, then upload or hyperdcp.save)
     source = HuggingFaceSource.open(src)
     meta = source.metadata
     if os.path.realpath(dst) == os.path.realpath(source.root):

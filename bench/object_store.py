@@ -1,0 +1,204 @@
+"""Object storage (issue 14): hyperdcp vs torch.distributed.checkpoint's FsspecWriter/FsspecReader over s3fs,
+against a local S3 API server (moto's server mode on 127.0.0.1), requests and bytes counted server-side.
+
+Every request goes through a counting HTTP proxy in front of the server (tests/faults/http_proxy.py with
+no faults), so the request and byte counts are the server's, not the clients'. Cases, on ``--ranks``
+spawned gloo ranks with an HSDP ``--mesh`` state of ``--mib`` MiB (bench/load.py's state):
+
+* save: hyperdcp.save to ``s3://bench/hyperdcp``; torch ``dcp.save(storage_writer=FsspecWriter(url))``;
+  floor: every rank uploads its share of the unique bytes (one object per rank) as a plain parallel
+  multipart upload with the chosen client (s3fs's aiobotocore, ``--part-mib`` parts, 4 in flight);
+* load, same layout and 1-D [Shard(1)]: hyperdcp.load (read-once); ``dcp.load(FsspecReader(url))``;
+  floor: every rank downloads its share with parallel ranged GETs of ``--part-mib``;
+* per case: wall time (slowest rank), bytes read from / written to the store over the unique bytes,
+  requests, and peak extra memory per rank (VmHWM - VmRSS before the case).
+
+``--clients`` also compares the two clients on one process (s3fs vs obstore through ObjectStorage): upload
+and download throughput of ``--client-mib`` MiB and the peak extra memory.
+
+    python bench/object_store.py --ranks 8 --mesh 4 2 --mib 256
+    python bench/object_store.py --ranks 2 --mesh 1 2 --mib 32 --clients     # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(_HERE, "..", "src"))
+sys.path.insert(0, os.path.join(_HERE, ".."))
+sys.path.insert(0, _HERE)
+
+import load as base  # noqa: E402  (bench/load.py: state, checks, memory counters)
+
+
+def _stats(endpoint: str) -> dict:
+    from tests.faults.http_proxy import STATS_PATH
+
+    return json.loads(urllib.request.urlopen(endpoint + STATS_PATH, timeout=10).read())
+
+
+def _diff(a: dict, b: dict) -> dict:
+    return {"requests": b.get("requests", 0) - a.get("requests", 0),
+            "up": b.get("bytes_in_PUT", 0) + b.get("bytes_in_POST", 0) - a.get("bytes_in_PUT", 0) - a.get("bytes_in_POST", 0),
+            "down": b.get("bytes_out_GET", 0) - a.get("bytes_out_GET", 0)}
+
+
+def _floor_up(rank: int, nbytes: int, part: int) -> None:
+    from hyperdcp.storage.object_store import ObjectStorage
+
+    st = ObjectStorage("s3://bench/floor", part_bytes=part)
+    data = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20) + bytearray(nbytes % (1 << 20)))
+    with st.begin_in_place(rank).create(f"r{rank:05d}-000000000000-00.safetensors") as w:
+        w.write(data)  # the writer sends 4 parts at a time, as hyperdcp's saves do
+    st.close()
+
+
+def _floor_down(rank: int, part: int) -> None:
+    from hyperdcp.storage.object_store import ObjectStorage
+
+    st = ObjectStorage("s3://bench/floor", part_bytes=part)
+    name = f"r{rank:05d}-000000000000-00.safetensors"
+    buf = bytearray(st.size(name))
+    st.read_into(name, 0, buf)  # ranged GETs of ``part`` bytes, 4 at a time
+    st.close()
+
+
+def _rank(rank, world, args, endpoint):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    import hyperdcp
+
+    R, S = args.mesh
+    shapes = [(args.rows, args.cols)] * args.tensors
+    hsdp = init_device_mesh("cpu", (R, S))
+    flat = init_device_mesh("cpu", (world,))
+    unique = sum(r * c * 4 for r, c in shapes)
+    part = args.part_mib << 20
+    results = {}
+
+    def timed(key, fn, *a, **kw):
+        dist.barrier()
+        before = _stats(endpoint) if rank == 0 else None
+        peak_ok = base._reset_peak()
+        rss0 = base._status_kib("VmRSS")
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn(*a, **kw)
+        dist.barrier()
+        wall = time.perf_counter() - t0
+        peak = (base._status_kib("VmHWM") - rss0) * 1024 if peak_ok else -1
+        server = _diff(before, _stats(endpoint)) if rank == 0 else None
+        results[key] = {"wall": wall, "peak_extra": peak, "server": server}
+
+    src = base._state(hsdp, [Replicate(), Shard(0)], shapes, fill=True)
+    hyperdcp.save({"warm": src[next(iter(src))]}, "s3://bench/warm")  # client sessions outside the timings
+    timed(("save", "hyperdcp"), hyperdcp.save, src, "s3://bench/hyperdcp")
+    timed(("save", "torch"), dcp.save, src, storage_writer=FsspecWriter("s3://bench/torch"))
+    timed(("save", "floor"), _floor_up, rank, unique // world, part)
+    del src
+    cases = {"same_layout": (hsdp, [Replicate(), Shard(0)]), "1d_shard1": (flat, [Shard(1)])}
+    for case, (mesh, placements) in cases.items():
+        for lib in ("hyperdcp", "torch"):
+            state = base._state(mesh, placements, shapes, fill=False)
+            if lib == "hyperdcp":
+                timed((f"load {case}", lib), hyperdcp.load, state, "s3://bench/hyperdcp")
+            else:
+                timed((f"load {case}", lib), dcp.load, state, storage_reader=FsspecReader("s3://bench/torch"))
+            base._check(state, shapes)
+            del state
+    timed(("load", "floor"), _floor_down, rank, part)
+    return results
+
+
+_CLIENT = r"""
+import os, sys, time, json
+sys.path.insert(0, {src!r})
+from hyperdcp.storage.object_store import ObjectStorage
+from hyperdcp.storage.object_client import make_client
+def hwm(k):
+    return int([l for l in open('/proc/self/status') if l.startswith(k + ':')][0].split()[1]) * 1024
+n = {mib} << 20
+data = memoryview(bytearray(os.urandom(1 << 20)) * {mib})
+st = ObjectStorage('s3://bench/clients-{kind}', {{'client': '{kind}'}}, part_bytes={part})
+c = st.client
+open('/proc/self/clear_refs', 'w').write('5'); rss = hwm('VmRSS')
+t = time.perf_counter()
+with st.begin_in_place(0).create('r00000-000000000000-00.safetensors') as w:
+    for i in range(0, n, 4 << 20):
+        w.write(data[i:i + (4 << 20)])
+up = time.perf_counter() - t
+buf = bytearray(n); t = time.perf_counter()
+st.read_into('r00000-000000000000-00.safetensors', 0, buf)
+down = time.perf_counter() - t
+assert buf == data
+print(json.dumps({{'up_MBps': n / up / 1e6, 'down_MBps': n / down / 1e6, 'peak_extra_MiB': (hwm('VmHWM') - rss) / 2**20 - {mib}}}))
+"""
+
+
+def compare_clients(args, env) -> dict:
+    out = {}
+    for kind in ("s3fs", "obstore"):
+        code = _CLIENT.format(src=os.path.join(_HERE, "..", "src"), mib=args.client_mib, kind=kind,
+                              part=args.part_mib << 20)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env},
+                           timeout=600)
+        out[kind] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-400:]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    base.add_experiment_args(ap)
+    ap.add_argument("--part-mib", type=int, default=16, help="multipart part and ranged-GET size (MiB)")
+    ap.add_argument("--clients", action="store_true", help="also compare the s3fs and obstore clients")
+    ap.add_argument("--client-mib", type=int, default=64)
+    ap.add_argument("--timeout", type=float, default=3600)
+    args = ap.parse_args()
+    base.set_rows(args)
+    from tests.dist import run_ranks
+    from tests.faults.http_proxy import FaultProxy
+    from tests.s3_server import S3Server
+
+    server = S3Server.start()
+    proxy = FaultProxy("127.0.0.1", server.port).start()
+    env = {**server.env_for(proxy.endpoint), "HYPERDCP_S3_PART_BYTES": str(args.part_mib << 20)}
+    try:
+        server.make_bucket("bench")
+        load = os.getloadavg()
+        t = time.perf_counter()
+        res = run_ranks(args.ranks, _rank, args, proxy.endpoint, timeout=args.timeout, env=env)
+        unique = args.tensors * args.rows * args.cols * 4
+        print(f"{args.ranks} ranks, HSDP mesh {tuple(args.mesh)}, {args.tensors} x ({args.rows}, {args.cols}) float32 = "
+              f"{unique / 2**20:.0f} MiB unique; moto {server.proc.args[2:]} behind a counting proxy on 127.0.0.1; "
+              f"parts / ranged GETs of {args.part_mib} MiB; load average before: {load[0]:.1f}; run {time.perf_counter() - t:.0f} s")
+        print(f"{'case':<22}{'library':<10}{'wall s':>8}{'MB/s':>8}{'up/unique':>10}{'down/unique':>12}"
+              f"{'requests':>9}{'peak extra MiB/rank':>21}")
+        for key in res[0]:
+            rows = [r[key] for r in res]
+            wall = max(r["wall"] for r in rows)
+            srv = rows[0]["server"]
+            peak = max(r["peak_extra"] for r in rows) / 2**20
+            print(f"{key[0]:<22}{key[1]:<10}{wall:>8.2f}{unique / wall / 1e6:>8.1f}{srv['up'] / unique:>10.3f}"
+                  f"{srv['down'] / unique:>12.3f}{srv['requests']:>9d}{peak:>21.0f}")
+        if args.clients:
+            for kind, r in compare_clients(args, env).items():
+                print(f"client {kind:<8} {args.client_mib} MiB, one process: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float)
+                                                                                      else f"{k} {v}" for k, v in r.items()))
+    finally:
+        proxy.stop()
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

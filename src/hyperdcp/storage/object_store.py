@@ -1,0 +1,408 @@
+"""ObjectStorage: a checkpoint under an ``s3://bucket/prefix`` URL, saved and loaded without renames.
+
+The commit protocol (docs/OBJECT_STORAGE.md): data objects go straight under their final keys, which
+carry the per-save token (``r<rank>-<token>-<idx>.safetensors``), so no save ever overwrites an object a
+committed checkpoint uses; :meth:`ObjectStaging.commit` puts ``hyperdcp.json`` last, with
+``If-None-Match: *`` unless ``overwrite=True`` (a concurrent save that committed first makes this one fail
+with CheckpointExistsError); only then are the objects of the replaced save deleted. A checkpoint exists
+iff its record is there and valid, so a reader sees the old checkpoint or the new one, never a mix, and
+a save killed at any point leaves nothing that lists or loads.
+
+Large files are multipart uploads whose parts (``part_bytes``) go up ``concurrency`` at a time, so a
+writer holds at most ``(concurrency + 1) * part_bytes + MIN_PART`` bytes; an upload that fails is aborted. Reads
+are ranged GETs of at most ``max_request_bytes``, issued in parallel. Every request is retried by
+:class:`~.retry.RetryPolicy` (throttling, 5xx, resets) within a bounded total time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptionError, FormatError, StorageError
+from ..format import rank_files
+from ..format.metadata import METADATA_FILE
+from ..format.safetensors import save_token
+from .base import FileWriter, SaveFiles, SaveStaging, Storage
+from .object_client import ObjectClient, ObjectExists, ObjectMissing, make_client, split_url
+from .retry import RetryPolicy, code_of
+from .urls import url_join
+
+#: bytes per multipart part and per ranged GET (S3 parts are 5 MiB .. 5 GiB, at most 10,000 per object)
+PART_BYTES = 16 << 20
+#: parts of one file in flight at once; ranged GETs of one read in flight at once
+CONCURRENCY = 4
+#: S3's smallest part but the last: a part is sent once this much more than ``part_bytes`` is buffered, so a
+#: file just over a multiple of ``part_bytes`` (a header) needs no tiny extra part
+MIN_PART = 5 << 20
+#: files this save wrote or a replaced save left: deleted by abort / after a commit (never foreign files)
+_OWNED = re.compile(r"^r\d{5}-(?:[0-9a-f]{12}-)?\d{2,}\.safetensors$")
+
+
+def _wrap(action: str, url: str, e: BaseException) -> StorageError:
+    if isinstance(e, StorageError):
+        return e
+    return StorageError(f"{' '.join(x for x in (action, url) if x)} failed ({type(e).__name__}: {str(e)[:300]}); check the URL, the endpoint "
+                        "(AWS_ENDPOINT_URL), the credentials and the network, then retry")
+
+
+class _Upload(FileWriter):
+    """One object being written: one PUT when it fits a part, else a parallel multipart upload."""
+
+    def __init__(self, files: "ObjectFiles", name: str, what: str):
+        st = files.storage
+        self.storage, self.name, self.what = st, name, what
+        self.key, self.url = st.key(name), st.path(name)
+        self._buf = bytearray()
+        self._parts: list[Future] = []
+        self._upload_id: str | None = None
+        self._stream: Any = None
+        self._done = False
+        self._size = 0
+        files.created.append(name)
+
+    def _call(self, fn: Callable[[], Any], action: str) -> Any:
+        return self.storage.call(fn, f"{action} {self.what} {self.url}")
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        self._size += len(mv)
+        pb = self.storage.part_bytes
+        while len(mv):
+            take = min(pb + MIN_PART - len(self._buf), len(mv))
+            self._buf += mv[:take]
+            mv = mv[take:]
+            if len(self._buf) >= pb + MIN_PART:
+                self._send_part(pb)
+
+    def _send_part(self, n: int | None = None) -> None:
+        """Send the first ``n`` buffered bytes (all by default) as the next part."""
+        st, client = self.storage, self.storage.client
+        n = len(self._buf) if n is None else n
+        data = bytes(memoryview(self._buf)[:n])
+        del self._buf[:n]
+        if not client.explicit_multipart:
+            if self._stream is None:
+                self._stream = client.open_stream(self.key, st.part_bytes, st.concurrency)
+            try:
+                self._stream.write(data)
+            except Exception as e:  # noqa: BLE001
+                raise _wrap(f"uploading {self.what}", self.url, e) from e
+            return
+        if self._upload_id is None:
+            self._upload_id = self._call(lambda: client.create_multipart(self.key), "starting the upload of")
+        while sum(not f.done() for f in self._parts) >= st.concurrency:  # bounded memory: wait for a slot
+            next(f for f in self._parts if not f.done()).exception()
+        for f in self._parts:
+            if f.done() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        n, uid = len(self._parts) + 1, self._upload_id
+        self._parts.append(st.pool.submit(
+            lambda: (n, self._call(lambda: client.upload_part(self.key, uid, n, data), f"uploading part {n} of"))))
+
+    def close(self) -> None:
+        if self._done:
+            return
+        client = self.storage.client
+        try:
+            if self._stream is not None:
+                if self._buf:
+                    self._stream.write(bytes(self._buf))
+                self._stream.close()
+            elif self._upload_id is None and len(self._buf) <= self.storage.part_bytes + MIN_PART:
+                data = bytes(self._buf)
+                self._call(lambda: client.put(self.key, data), "uploading")
+            else:
+                while len(self._buf) > self.storage.part_bytes + MIN_PART:  # the last part: up to part + MIN_PART
+                    self._send_part(self.storage.part_bytes)
+                if self._buf:
+                    self._send_part()
+                parts = [f.result() for f in self._parts]
+                try:
+                    self._call(lambda: client.complete_multipart(self.key, self._upload_id, parts),
+                               "completing the upload of")
+                except Exception as e:  # noqa: BLE001 - a retried completion whose first attempt landed
+                    if code_of(e.__cause__ or e) != "NoSuchUpload" or client.head(self.key) != self._size:
+                        raise
+        except BaseException as e:
+            self.discard()
+            raise _wrap(f"uploading {self.what}", self.url, e) from e
+        self._done, self._buf, self._parts = True, bytearray(), []
+
+    def discard(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        for f in self._parts:
+            f.cancel()
+        for f in self._parts:
+            if not f.cancelled():
+                f.exception()
+        if self._upload_id is not None:  # an unfinished multipart upload holds storage until aborted
+            try:
+                client, uid = self.storage.client, self._upload_id
+                self._call(lambda: client.abort_multipart(self.key, uid), "aborting the upload of")
+            except Exception:  # noqa: BLE001 - never raises; the commit never lists it anyway
+                pass
+        self._buf, self._parts, self._stream = bytearray(), [], None
+
+
+class ObjectFiles(SaveFiles):
+    """Where one rank writes the files of one save: straight under the checkpoint's prefix."""
+
+    def __init__(self, storage: "ObjectStorage", location: str):
+        self.storage, self.location = storage, location
+        self.created: list[str] = []
+
+    def create(self, name: str, what: str = "data file") -> FileWriter:
+        return _Upload(self, name, what)
+
+    def put(self, name: str, data: bytes, what: str = "metadata file") -> None:
+        st, payload = self.storage, bytes(data)
+        st.call(lambda: st.client.put(st.key(name), payload), f"writing {what} {st.path(name)}")
+
+    def remove(self, name: str) -> None:
+        st = self.storage
+        st.call(lambda: st.client.delete([st.key(name)]), f"deleting {st.path(name)}")
+
+    def list(self) -> list[str]:
+        return self.storage.names()
+
+
+class ObjectStaging(ObjectFiles, SaveStaging):
+    """The committer's side: the record last (conditionally), then the replaced save's objects go."""
+
+    def __init__(self, storage: "ObjectStorage", location: str, overwrite: bool):
+        super().__init__(storage, location)
+        self.overwrite = overwrite
+        self.token = save_token(location.rstrip("/").rsplit("/", 1)[-1])
+        #: the names under the prefix when the save began: the replaced save's and interrupted saves' objects
+        self.present: list[str] = []
+
+    def commit(self, record: bytes) -> None:
+        st, rec = self.storage, bytes(record)
+        where = st.path(METADATA_FILE)
+        conditional = not self.overwrite and st.client.conditional_put
+        try:
+            st.call(lambda: st.client.put(st.key(METADATA_FILE), rec, if_none_match=conditional),
+                    f"writing the commit record {where}")
+        except ObjectExists:
+            # a retried PUT whose first attempt landed sees its own record; anything else is another save's
+            if st.call(lambda: st.client.get(st.key(METADATA_FILE)), f"reading {where}") != rec:
+                raise CheckpointExistsError(
+                    f"a checkpoint was committed at {st.url!r} by another save while this one was writing; this save "
+                    "is discarded; pass overwrite=True to replace it, or save to a new path") from None
+        keep = {f["name"] for f in json.loads(rec.decode("utf-8"))["files"]}
+        try:  # the new record is in place: the replaced save's objects (and strays of interrupted ones) go
+            st.delete_owned(lambda n: n not in keep, self.present)
+            self._abort_uploads()  # a CreateMultipartUpload retried after its answer was lost left one
+        except Exception:  # noqa: BLE001 - the checkpoint is committed; strays cost space, not correctness
+            pass
+
+    def abort(self) -> None:
+        st, token = self.storage, self.token
+        try:
+            st.delete_owned(lambda n: f"-{token}-" in n)
+            self._abort_uploads()
+        except Exception:  # noqa: BLE001 - never raises: nothing of this save is listed without its record
+            pass
+
+    def _abort_uploads(self) -> None:
+        """Abort the unfinished multipart uploads of this save's objects (writers that died or lost an answer)."""
+        st = self.storage
+        for key, uid in st.call(lambda: st.client.list_multipart(st.key("")), f"listing the uploads under {st.url}"):
+            if f"-{self.token}-" in key:
+                st.call(lambda k=key, u=uid: st.client.abort_multipart(k, u), f"aborting the upload of {key}")
+
+    def release(self) -> None:
+        pass
+
+
+class ObjectStorage(Storage):
+    """The checkpoint at ``url`` (``s3://bucket/prefix``) on an S3-compatible store; see the module docstring.
+
+    ``storage_options``: the client's keyword arguments (s3fs: ``endpoint_url``, ``key``, ``secret``,
+    ``client_kwargs``...; ``"client": "obstore"`` picks the other client), plus ``part_bytes`` and
+    ``concurrency`` (defaults from ``HYPERDCP_S3_PART_BYTES`` / ``HYPERDCP_S3_CONCURRENCY``). Safe to use
+    from several threads.
+    """
+
+    supports_writes = True
+    atomic_replace = False
+
+    def __init__(self, url: str, storage_options: dict | None = None, *, client: ObjectClient | None = None,
+                 part_bytes: int = PART_BYTES, concurrency: int = CONCURRENCY, policy: RetryPolicy | None = None):
+        super().__init__()
+        self.url = url.rstrip("/")
+        self.bucket, self.prefix = split_url(self.url)
+        self.storage_options = dict(storage_options or {})
+        part_bytes = int(self.storage_options.pop("part_bytes", os.environ.get("HYPERDCP_S3_PART_BYTES", part_bytes)))
+        concurrency = int(self.storage_options.pop("concurrency", os.environ.get("HYPERDCP_S3_CONCURRENCY", concurrency)))
+        self.part_bytes = max(5 << 20, int(part_bytes))
+        self.max_request_bytes = self.part_bytes
+        self.concurrency = max(1, int(concurrency))
+        self.policy = policy or RetryPolicy.from_env()
+        self._client = client
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.requests = 0
+
+    @property
+    def client(self) -> ObjectClient:
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    try:
+                        self._client = make_client(self.url, self.storage_options)
+                    except StorageError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - credentials, configuration
+                        raise _wrap("connecting to", self.url, e) from e
+        return self._client
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(4 * self.concurrency, thread_name_prefix="hyperdcp-s3")
+        return self._pool
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def path(self, name: str) -> str:
+        """The URL of file ``name`` (for messages)."""
+        return url_join(self.url, name)
+
+    def call(self, fn: Callable[[], Any], what: str) -> Any:
+        """``fn()`` under the retry policy; transport errors become StorageError naming ``what``."""
+        def counted():
+            with self._lock:
+                self.requests += 1
+            return fn()
+        try:
+            return self.policy.call(counted, what)
+        except (ObjectExists, ObjectMissing, StorageError):
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise _wrap(what, "", e) from e
+
+    # -- load --------------------------------------------------------------------------------------
+    def size(self, name: str, what: str = "file") -> int:
+        n = self.call(lambda: self.client.head(self.key(name)), f"checking {what} {self.path(name)}")
+        if n is None:
+            raise CheckpointNotFoundError(f"{what} {self.path(name)} is missing")
+        return n
+
+    def fetch(self, name: str, offset: int, n: int) -> bytes:
+        """Bytes [offset, offset + n) of ``name`` in one ranged GET (fewer at the end of the object)."""
+        if n <= 0:
+            return b""
+        url = self.path(name)
+        try:
+            data = self.call(lambda: self.client.get_range(self.key(name), offset, offset + n),
+                             f"reading bytes {offset}..{offset + n} of {url}")
+        except ObjectMissing:
+            raise CorruptionError(f"{url} is missing; the checkpoint is damaged; restore it or load another "
+                                  "checkpoint") from None
+        if len(data) > n:
+            raise StorageError(f"reading bytes {offset}..{offset + n} of {url}: the store sent {len(data)} bytes; it "
+                               "ignores ranged requests (HTTP Range); use storage that honours them")
+        return data
+
+    def read_into(self, name: str, offset: int, out, what: str = "") -> None:
+        mv = memoryview(out).cast("B")
+        step = self.max_request_bytes
+        spans = [(s, min(step, len(mv) - s)) for s in range(0, len(mv), step)]
+
+        def one(span: tuple[int, int]) -> int:
+            s, n = span
+            data = self.fetch(name, offset + s, n)
+            mv[s:s + len(data)] = data
+            with self._lock:
+                self.bytes_read += len(data)
+            return len(data)
+
+        got = [one(spans[0])] if len(spans) == 1 else [f.result() for f in [self.pool.submit(one, s) for s in spans]]
+        if any(g < n for g, (_, n) in zip(got, spans)):
+            raise CorruptionError(
+                f"{self.path(name)}: unexpected end of file while reading {what} ({len(mv)} bytes from offset {offset}); "
+                "the object is truncated; restore it or load another checkpoint")
+        with self._lock:
+            self.reads += 1
+
+    def probe(self, name: str, n: int, what: str = "file") -> tuple[bytes, int]:
+        """The first ``n`` bytes of ``name`` and its size, in one ranged GET where the store reports the size
+        (Content-Range); CheckpointNotFoundError when it is missing."""
+        try:
+            data, size = self.call(lambda: self.client.get_range_sized(self.key(name), 0, max(1, n)),
+                                   f"reading {what} {self.path(name)}")
+        except ObjectMissing:
+            raise CheckpointNotFoundError(f"{what} {self.path(name)} is missing") from None
+        if size is None:  # an empty object (416), or a store without Content-Range
+            size = self.size(name, what)
+        return data[:n], size
+
+    def read_all(self, name: str, limit: int, what: str = "file") -> bytes:
+        url = self.path(name)
+        raw, size = self.probe(name, limit + 1, what)  # one request; never more than limit + 1 bytes
+        if size > limit:
+            raise FormatError(f"{what} {url} has {size} bytes, more than the {limit}-byte limit; the object is damaged "
+                              "or is not what hyperdcp wrote (check the URL)")
+        if len(raw) != size:
+            raise CorruptionError(f"{what} {url}: received {len(raw)} bytes but the store reports {size}; retry")
+        return raw
+
+    def names(self) -> list[str]:
+        """The object names directly under the prefix ([] when none)."""
+        objs, _ = self.call(lambda: self.client.list(self.key(""), "/"), f"listing {self.url}")
+        base = len(self.key(""))
+        return sorted({k[base:] for k, _ in objs} - {""})
+
+    def list(self) -> list[str]:
+        names = self.names()
+        if not names:
+            raise CheckpointNotFoundError(f"no checkpoint at {self.url!r}: nothing is stored under it; check the URL "
+                                          "and step")
+        return names
+
+    def delete_owned(self, which: Callable[[str], bool], names: list[str] | None = None) -> None:
+        """Delete the hyperdcp data and rank files under the prefix (or among ``names``) for which ``which(name)``."""
+        doomed = [self.key(n) for n in (self.names() if names is None else names)
+                  if (_OWNED.match(n) or rank_files.is_rank_file(n)) and which(n)]
+        if doomed:
+            self.call(lambda: self.client.delete(doomed), f"deleting {len(doomed)} replaced object(s) under {self.url}")
+
+    # -- save --------------------------------------------------------------------------------------
+    def begin_save(self, *, overwrite: bool) -> ObjectStaging:
+        present = self.names()  # one LIST: is there a record, and what a commit will have to clean up
+        if METADATA_FILE in present and not overwrite:
+            raise CheckpointExistsError(
+                f"a checkpoint already exists at {self.url!r}; pass overwrite=True to replace it (the old one stays "
+                "loadable until the new one is committed) or save to a new path")
+        staging = ObjectStaging(self, f"{self.url}/save-{secrets.token_hex(8)}", overwrite)
+        staging.present = present
+        return staging
+
+    def writer_at(self, location: str) -> ObjectFiles:
+        if location.rstrip("/").rsplit("/", 1)[0] != self.url:
+            raise StorageError(f"save location {location!r} is not under {self.url!r}; every rank must save to one URL")
+        return ObjectFiles(self, location)
+
+    def begin_in_place(self, rank: int) -> ObjectFiles:
+        return ObjectFiles(self, self.url)
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+__all__ = ["CONCURRENCY", "ObjectFiles", "ObjectStaging", "ObjectStorage", "PART_BYTES"]
