@@ -168,3 +168,19 @@ def test_core_imports_without_the_s3_packages():
             "except hyperdcp.StorageError as e:\n    assert 'hyperdcp[s3]' in str(e), e; print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "ok", r.stderr
+
+
+def test_checkpoint_manager_on_s3_keeps_the_last_steps_and_restores_the_newest(s3):
+    """The same CheckpointManager on a bucket: retention deletes whole steps (record first, then their objects),
+    only committed steps are listed, and restore loads the newest bit-exact."""
+    root = f"s3://{s3.bucket}/run"
+    mgr = hyperdcp.CheckpointManager(root, keep_last=2)
+    for step in (1, 2, 3, 4):
+        mgr.save(step, _state(step, n=64 << 10), metrics={"loss": 1.0 / step})
+    mgr.close()
+    assert hyperdcp.CheckpointManager(root).steps() == [3, 4]
+    assert {k.split("/")[1] for k in _keys(s3, "run/")} == {"step-3", "step-4"}  # nothing of steps 1, 2 is left
+    got = _zeros(_state(4, n=64 << 10))
+    assert hyperdcp.CheckpointManager(root).restore(got) == 4
+    _same(got, _state(4, n=64 << 10))
+    assert hyperdcp.CheckpointManager(root).metrics(4) == {"loss": 0.25}

@@ -366,11 +366,28 @@ class ObjectStorage(Storage):
         return sorted({k[base:] for k, _ in objs} - {""})
 
     def list(self) -> list[str]:
-        names = self.names()
+        """The object names and child prefixes (as names, like a directory's entries) directly under the prefix."""
+        objs, prefixes = self.call(lambda: self.client.list(self.key(""), "/"), f"listing {self.url}")
+        base = len(self.key(""))
+        names = sorted({k[base:] for k, _ in objs} | {p[base:].strip("/") for p in prefixes} - {""})
         if not names:
             raise CheckpointNotFoundError(f"no checkpoint at {self.url!r}: nothing is stored under it; check the URL "
                                           "and step")
         return names
+
+    def delete(self, name: str) -> None:
+        """Delete the checkpoint ``name`` under this prefix: its commit record first (from then on it is no
+        longer a checkpoint: never listed or loaded), then the objects hyperdcp wrote for it. Objects
+        hyperdcp did not write are left; absent is fine."""
+        if not name or "/" in name or name in (".", ".."):
+            raise StorageError(f"refusing to delete {name!r} under {self.url!r}: not a checkpoint name")
+        child = ObjectStorage(f"{self.url}/{name}", self.storage_options, client=self.client)
+        try:
+            self.call(lambda: self.client.delete([child.key(METADATA_FILE)]),
+                      f"deleting the commit record of {child.url}")
+            child.delete_owned(lambda n: True)
+        finally:
+            child.close()
 
     def delete_owned(self, which: Callable[[str], bool], names: list[str] | None = None) -> None:
         """Delete the hyperdcp data and rank files under the prefix (or among ``names``) for which ``which(name)``."""
