@@ -375,3 +375,42 @@ def _read_arrays(mv: memoryview, bad) -> dict[str, np.ndarray]:
 
 __all__ = ["ARRAYS", "INDEX_FORMAT", "ChunkIndex", "HexChecksums", "decode", "from_tables", "hex_to_uint64",
            "n_blocks"]
+
+
+def index_from_plan(plan, rows: np.ndarray, gfile: np.ndarray, gbegin: np.ndarray, gend: np.ndarray,
+                    sums: Sequence[str]) -> ChunkIndex:
+    """The index of a save from its global plan (``GlobalPlan``) and the writers' results, vectorised.
+
+    ``rows[u]`` is unique chunk u's row in the concatenated results ``gfile``/``gbegin``/``gend`` (absolute
+    file indices) and ``sums`` (one hex string per result row, 16 digits per block).
+    """
+    specs = plan.tensors
+    T = len(specs)
+    ndim = np.fromiter((len(s.shape) for s in specs), np.int64, count=T)
+    D = int(ndim.max()) if T else 0
+    shape = np.ones((T, D), np.int64)
+    for nd in np.unique(ndim).tolist():
+        sel = np.flatnonzero(ndim == nd)
+        if nd:
+            shape[sel] = np.pad(np.array([specs[i].shape for i in sel.tolist()], np.int64).reshape(len(sel), nd),
+                                ((0, 0), (0, D - nd)), constant_values=1)
+    table = sorted({s.dtype for s in specs})
+    code_of = {d: i for i, d in enumerate(table)}
+    code = np.fromiter((code_of[s.dtype] for s in specs), np.int64, count=T)
+    counts = np.diff(plan.tensor_ranges()).astype(np.int64)
+    tid = plan.u_tidx.astype(np.int64)
+    used = np.arange(D)[None, :] < ndim[tid][:, None]
+    offs = np.where(used, plan.u_offsets[:, :D], 0).astype(np.int64)
+    lens = np.where(used, plan.u_lengths[:, :D], 1).astype(np.int64)
+    # block checksums: the hex strings of all result rows as one uint64 array, gathered per unique chunk
+    nblk = np.fromiter(map(len, sums), np.int64, count=len(sums)) // 16
+    flat = hex_to_uint64(sums)
+    start = np.zeros(len(sums) + 1, np.int64)
+    np.cumsum(nblk, out=start[1:])
+    take = nblk[rows]
+    out_start = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(take, out=out_start[1:])
+    pos = np.repeat(start[:-1][rows] - out_start[:-1], take) + np.arange(int(out_start[-1]), dtype=np.int64)
+    return ChunkIndex([s.fqn for s in specs], table, code, ndim, shape, counts, offs, lens,
+                      gfile[rows].astype(np.int64), gbegin[rows].astype(np.int64), gend[rows].astype(np.int64),
+                      flat[pos])

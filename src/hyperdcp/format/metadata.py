@@ -215,6 +215,7 @@ class Metadata:
 
         if index_name is None or self.num_chunks < index_min_chunks():
             return self.to_json(), None
+        self.format_version = 2  # what is committed
         return encode_v2(self, index_name)
 
     @classmethod

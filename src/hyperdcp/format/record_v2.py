@@ -28,6 +28,7 @@ from .metadata import (
     IndexedTensors,
     Metadata,
     _per_rank_doc,
+    max_metadata_bytes,
     sign_json,
 )
 
@@ -94,6 +95,9 @@ def parse_index(doc: dict, files: list[FileMeta], block: int, where: str,
         raise bad("index.name is not a chunk index file name (hyperdcp-index-<token>.safetensors)")
     if type(nbytes) is not int or not 8 <= nbytes <= 1 << 40:
         raise bad("index.bytes must be an integer in [8, 2^40]")
+    if nbytes > max_metadata_bytes():
+        raise bad(f"its chunk index declares {nbytes} bytes, more than the {max_metadata_bytes()}-byte limit "
+                  "(raise HYPERDCP_MAX_METADATA_BYTES if the checkpoint is genuine)")
     if type(digest) is not str or not _HEX16.fullmatch(digest):
         raise bad("index.xxh3_64 must be 16 lowercase hex digits")
     if not files or files[-1].name != name or files[-1].nbytes != nbytes:

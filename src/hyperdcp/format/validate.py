@@ -21,7 +21,6 @@ from ..core.boxes import check_exact_cover, grid_tiles
 from ..errors import CheckpointError, FormatError, UnsupportedVersionError
 from . import values as values_codec
 from .checksums import n_blocks
-from .record_v2 import parse_index
 from .metadata import (
     _TRAILER_RE,
     _ZERO,
@@ -38,6 +37,7 @@ from .metadata import (
     Metadata,
     TensorMeta,
 )
+from .record_v2 import parse_index
 
 
 def parse(raw: bytes, where: str, index=None) -> Metadata:

@@ -23,6 +23,7 @@ from ..coordination import wire  # core/wire.py once it exists (P3)
 from ..errors import CheckpointExistsError
 from ..format import rank_files
 from ..format.metadata import METADATA_FILE, Metadata, max_metadata_bytes
+from ..format.record_v2 import index_file_name
 from ..format.safetensors import save_token
 from ..options import SaveOptions
 from ..storage.base import Storage
@@ -94,7 +95,12 @@ def finalize(path: str, storage: Storage | None = None) -> Metadata:
     storage = storage if storage is not None else LocalStorage(path)
     try:
         meta = merge_at(storage)
-        storage.begin_in_place(0).put(METADATA_FILE, meta.to_json())
+        files = storage.begin_in_place(0)
+        token = save_token("\0".join(f.name for f in meta.files))
+        record, index = meta.encode(index_file_name(token))
+        if index is not None:  # format 2: its chunk index first (atomic: finalize may run again)
+            files.put(index_file_name(token), index, "chunk index")
+        files.put(METADATA_FILE, record)
     finally:
         storage.close()
     return meta

@@ -113,7 +113,8 @@ def _committed_metadata(path: str) -> Metadata:
             raise IncompleteCheckpointError(f"incomplete checkpoint at {path!r}: it has no {METADATA_FILE}") from None
         return merge_rank_files({n: read_regular(os.path.join(path, n), "rank metadata file", max_metadata_bytes())
                                  for n in names}, path)
-    return Metadata.from_json(raw, where=os.path.join(path, METADATA_FILE))
+    return Metadata.from_json(raw, where=os.path.join(path, METADATA_FILE),  # format 2: its index beside it
+                              index=lambda name, n: read_regular(os.path.join(path, name), "chunk index", n))
 
 
 def recover_interrupted_overwrite(path: str, wait: float = 2.0) -> bool:
