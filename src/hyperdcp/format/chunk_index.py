@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Sequence
 
 import numpy as np
@@ -378,39 +379,48 @@ __all__ = ["ARRAYS", "INDEX_FORMAT", "ChunkIndex", "HexChecksums", "decode", "fr
 
 
 def index_from_plan(plan, rows: np.ndarray, gfile: np.ndarray, gbegin: np.ndarray, gend: np.ndarray,
-                    sums: Sequence[str]) -> ChunkIndex:
+                    sums: Sequence[str], block_bytes: int) -> ChunkIndex:
     """The index of a save from its global plan (``GlobalPlan``) and the writers' results, vectorised.
 
     ``rows[u]`` is unique chunk u's row in the concatenated results ``gfile``/``gbegin``/``gend`` (absolute
-    file indices) and ``sums`` (one hex string per result row, 16 digits per block).
+    file indices) and ``sums`` (one hex string per result row, 16 digits per block of ``block_bytes``).
     """
     specs = plan.tensors
     T = len(specs)
-    ndim = np.fromiter((len(s.shape) for s in specs), np.int64, count=T)
+    ndim = np.fromiter(map(len, (s.shape for s in specs)), np.int64, count=T)
     D = int(ndim.max()) if T else 0
     shape = np.ones((T, D), np.int64)
-    for nd in np.unique(ndim).tolist():
-        sel = np.flatnonzero(ndim == nd)
-        if nd:
-            shape[sel] = np.pad(np.array([specs[i].shape for i in sel.tolist()], np.int64).reshape(len(sel), nd),
-                                ((0, 0), (0, D - nd)), constant_values=1)
-    table = sorted({s.dtype for s in specs})
+    if T and D:
+        flat_dims = np.fromiter(chain.from_iterable(s.shape for s in specs), np.int64, count=int(ndim.sum()))
+        tid_dims = np.repeat(np.arange(T), ndim)
+        first_dim = np.zeros(T + 1, np.int64)
+        np.cumsum(ndim, out=first_dim[1:])
+        shape[tid_dims, np.arange(len(flat_dims)) - first_dim[tid_dims]] = flat_dims
+    names = [s.fqn for s in specs]
+    dts = [s.dtype for s in specs]
+    table = sorted(set(dts))
     code_of = {d: i for i, d in enumerate(table)}
-    code = np.fromiter((code_of[s.dtype] for s in specs), np.int64, count=T)
+    code = np.fromiter(map(code_of.__getitem__, dts), np.int64, count=T)
     counts = np.diff(plan.tensor_ranges()).astype(np.int64)
     tid = plan.u_tidx.astype(np.int64)
     used = np.arange(D)[None, :] < ndim[tid][:, None]
     offs = np.where(used, plan.u_offsets[:, :D], 0).astype(np.int64)
     lens = np.where(used, plan.u_lengths[:, :D], 1).astype(np.int64)
     # block checksums: the hex strings of all result rows as one uint64 array, gathered per unique chunk
-    nblk = np.fromiter(map(len, sums), np.int64, count=len(sums)) // 16
+    nblk = np.maximum(1, -(-(gend - gbegin) // block_bytes)).astype(np.int64)
     flat = hex_to_uint64(sums)
-    start = np.zeros(len(sums) + 1, np.int64)
+    start = np.zeros(len(nblk) + 1, np.int64)
     np.cumsum(nblk, out=start[1:])
+    if int(start[-1]) != len(flat):
+        raise ValueError(f"the writers reported {len(flat)} block checksums for chunks of {int(start[-1])} blocks")
     take = nblk[rows]
     out_start = np.zeros(len(rows) + 1, np.int64)
     np.cumsum(take, out=out_start[1:])
-    pos = np.repeat(start[:-1][rows] - out_start[:-1], take) + np.arange(int(out_start[-1]), dtype=np.int64)
-    return ChunkIndex([s.fqn for s in specs], table, code, ndim, shape, counts, offs, lens,
-                      gfile[rows].astype(np.int64), gbegin[rows].astype(np.int64), gend[rows].astype(np.int64),
-                      flat[pos])
+    if len(rows) == len(nblk) and (take == 1).all() and np.array_equal(rows, np.arange(len(rows))):
+        sel = flat
+    else:
+        sel = flat[np.repeat(start[:-1][rows] - out_start[:-1], take) + np.arange(int(out_start[-1]), dtype=np.int64)]
+    out = ChunkIndex(names, table, code, ndim, shape, counts, offs, lens, gfile[rows].astype(np.int64),
+                     gbegin[rows].astype(np.int64), gend[rows].astype(np.int64), sel)
+    out.sum_first = out_start
+    return out

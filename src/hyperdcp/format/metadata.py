@@ -242,9 +242,9 @@ class IndexedTensors(Mapping):
     A read-only mapping over a :class:`ChunkIndex` (no per-tensor objects until a tensor is looked up).
     """
 
-    def __init__(self, index: ChunkIndex, block_bytes: int):
+    def __init__(self, index: ChunkIndex, block_bytes: int, positions: dict[str, int] | None = None):
         self._ix, self._block = index, block_bytes
-        self._pos: dict[str, int] | None = None
+        self._pos = positions  # name -> tensor row, built on first lookup
         self._made: dict[int, TensorMeta] = {}
 
     def _positions(self) -> dict[str, int]:

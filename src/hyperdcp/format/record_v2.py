@@ -103,7 +103,8 @@ def parse_index(doc: dict, files: list[FileMeta], block: int, where: str,
     if not files or files[-1].name != name or files[-1].nbytes != nbytes:
         raise bad(f"the last entry of files must be the chunk index {name!r} with its {nbytes} bytes")
     names, codes = spec["tensors"], spec["dtypes"]
-    if type(names) is not list or not all(type(n) is str and n for n in names) or len(set(names)) != len(names):
+    pos = dict(zip(names, range(len(names)))) if type(names) is list and set(map(type, names)) <= {str} else None
+    if pos is None or len(pos) != len(names) or "" in pos:
         raise bad("index.tensors must list distinct non-empty tensor names")
     if type(codes) is not list or not all(type(c) is str and c in dtypes.ITEMSIZE for c in codes) \
             or len(set(codes)) != len(codes):
@@ -120,4 +121,4 @@ def parse_index(doc: dict, files: list[FileMeta], block: int, where: str,
     data = files[:-1]
     sizes = np.array([f.nbytes for f in data], np.int64)
     ix = decode(raw, ipath, names, codes, sizes, block)
-    return data, IndexedTensors(ix, block), ix
+    return data, IndexedTensors(ix, block, pos), ix

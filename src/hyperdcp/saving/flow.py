@@ -109,7 +109,7 @@ def build_metadata(plan: GlobalPlan, results: list[bytes], values: dict, opts: S
         per_rank_values={k: v for k, v in pr_vals.items() if v},
         per_rank_tensors=dict(plan.per_rank),
     )
-    meta.index = index_from_plan(plan, g, gfile, gbegin, gend, sums)
+    meta.index = index_from_plan(plan, g, gfile, gbegin, gend, sums, opts.checksum_block_bytes)
     meta.tensors = IndexedTensors(meta.index, opts.checksum_block_bytes)  # type: ignore[assignment]
     return meta
 
