@@ -113,7 +113,10 @@ def parse_index(doc: dict, files: list[FileMeta], block: int, where: str,
     if index is None:
         raise bad(f"it is a format-2 record and its chunk index {name} was not read with it (read checkpoints with "
                   "hyperdcp.read_metadata or open_source)")
-    raw = index(name, nbytes) if callable(index) else index
+    try:
+        raw = index(name, nbytes) if callable(index) else index
+    except FileNotFoundError:  # CheckpointNotFoundError too: the record is there, so the checkpoint is damaged
+        raise bad(f"its chunk index {ipath} is missing") from None
     if len(raw) != nbytes:
         raise bad(f"its chunk index {ipath} has {len(raw)} bytes but the record says {nbytes} (truncated or replaced)")
     if "%016x" % xxhash.xxh3_64_intdigest(raw) != digest:
