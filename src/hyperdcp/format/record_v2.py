@@ -93,8 +93,8 @@ def parse_index(doc: dict, files: list[FileMeta], block: int, where: str,
     name, nbytes, digest = spec["name"], spec["bytes"], spec["xxh3_64"]
     if type(name) is not str or not is_index_file(name) or not FILE_NAME_RE.fullmatch(name):
         raise bad("index.name is not a chunk index file name (hyperdcp-index-<token>.safetensors)")
-    if type(nbytes) is not int or not 8 <= nbytes <= 1 << 40:
-        raise bad("index.bytes must be an integer in [8, 2^40]")
+    if type(nbytes) is not int or not 0 <= nbytes <= 1 << 40:
+        raise bad("index.bytes must be an integer in [0, 2^40]")
     if nbytes > max_metadata_bytes():
         raise bad(f"its chunk index declares {nbytes} bytes, more than the {max_metadata_bytes()}-byte limit "
                   "(raise HYPERDCP_MAX_METADATA_BYTES if the checkpoint is genuine)")
