@@ -105,6 +105,11 @@ def test_a_small_model_stays_format_1_and_both_read_alike(tmp_path, monkeypatch)
     open(data, "wb").write(bytes(raw))
     rep = hyperdcp.verify_checkpoint(str(tmp_path / "v2"))
     assert not rep.ok and [b.tensor for b in rep.bad_chunks] == ["emb"]
+    hyperdcp.save(_model(5), str(tmp_path / "v2"), overwrite=True)  # a format-2 checkpoint is ours to replace
+    assert [n for n in os.listdir(tmp_path / "v2") if is_index_file(n)] == [_record(str(tmp_path / "v2"))["index"]["name"]]
+        back = _zeros(_model(5))
+    hyperdcp.load(back, str(tmp_path / "v2"))
+    _same(back, _model(5))
 
 
 def test_the_index_travels_with_the_record_so_other_ranks_never_read_it(tmp_path, monkeypatch):

@@ -23,7 +23,7 @@ from ..coordination import wire  # core/wire.py once it exists (P3)
 from ..errors import CheckpointExistsError
 from ..format import rank_files
 from ..format.metadata import METADATA_FILE, Metadata, max_metadata_bytes
-from ..format.record_v2 import index_file_name
+from ..format.record_v2 import index_file_name, is_index_file
 from ..format.safetensors import save_token
 from ..options import SaveOptions
 from ..storage.base import Storage
@@ -50,7 +50,7 @@ def persist_alone(path: str, rank: int, world_size: int, staged: StagedState, mi
         )
     if existing:
         for e in present:
-            if e == mine_file or e.startswith(f"r{rank:05d}-") or (rank == 0 and e == METADATA_FILE):
+            if e == mine_file or e.startswith(f"r{rank:05d}-") or (rank == 0 and (e == METADATA_FILE or is_index_file(e))):
                 files.remove(e)
     result = write.seam()(files, rank, staged, mine, opts, save_token(save_id))
     head, arr = wire.unpack(result)
