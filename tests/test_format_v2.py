@@ -107,7 +107,7 @@ def test_a_small_model_stays_format_1_and_both_read_alike(tmp_path, monkeypatch)
     assert not rep.ok and [b.tensor for b in rep.bad_chunks] == ["emb"]
     hyperdcp.save(_model(5), str(tmp_path / "v2"), overwrite=True)  # a format-2 checkpoint is ours to replace
     assert [n for n in os.listdir(tmp_path / "v2") if is_index_file(n)] == [_record(str(tmp_path / "v2"))["index"]["name"]]
-        back = _zeros(_model(5))
+    back = _zeros(_model(5))
     hyperdcp.load(back, str(tmp_path / "v2"))
     _same(back, _model(5))
 
