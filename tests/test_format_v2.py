@@ -189,3 +189,14 @@ def test_two_ranks_save_format_2_and_load_it_on_another_layout(tmp_path):
 
     out = run_ranks(2, _dtensor_round_trip, str(tmp_path / "dt"), timeout=120, env={"HYPERDCP_INDEX_MIN_CHUNKS": "0"})
     assert out == [2, 2]
+
+
+def test_a_missing_data_file_of_a_format_2_checkpoint_is_damage_not_a_replaced_save(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYPERDCP_INDEX_MIN_CHUNKS", "0")
+    sd = _model(2)
+    path = str(tmp_path / "ck")
+    hyperdcp.save(sd, path)
+    name = hyperdcp.read_metadata(path).files[0].name
+    os.unlink(os.path.join(path, name))
+    with pytest.raises(hyperdcp.CorruptionError, match=f"{name} is missing; the checkpoint is damaged"):
+        hyperdcp.load(_zeros(sd), path)
