@@ -29,13 +29,12 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from planner_scale import layout  # noqa: E402
-
 from hyperdcp.core import wire  # noqa: E402
 from hyperdcp.format.metadata import Metadata  # noqa: E402
 from hyperdcp.options import SaveOptions  # noqa: E402
 from hyperdcp.planning.save_plan import LocalPlan, plan_global  # noqa: E402
 from hyperdcp.saving import build_metadata  # noqa: E402
+from planner_scale import layout  # noqa: E402
 
 LAYOUTS = {"100k": ((2, 2, 2), 100_000, 256), "16k-ranks": ((8, 256, 8), 100, 8192)}
 INDEX = "hyperdcp-index-0123456789ab.safetensors"
