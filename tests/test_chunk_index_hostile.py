@@ -216,3 +216,20 @@ def test_record_fields_about_the_index(pristine, tmp_path):
     open(os.path.join(path, METADATA_FILE), "wb").write(sign_json(doc))
     with pytest.raises(hyperdcp.FormatError, match="not a chunk index file name"):
         hyperdcp.read_metadata(path)
+
+
+def test_a_repeated_box_standing_in_for_a_missing_grid_cell_is_refused_in_both_formats():
+    """A 2 x 2 grid whose cell (1, 1) is missing and whose cell (0, 0) is stored twice, at distinct bytes:
+    every interval of the grid is present and the box count is right, so only distinctness catches it."""
+    from hyperdcp.format.metadata import ChunkTable, FileMeta, Metadata, TensorMeta
+    from hyperdcp.format.record_v2 import encode_v2
+
+    chunks = ChunkTable(np.array([[0, 0], [0, 1], [1, 0], [0, 0]]), np.ones((4, 2), np.int64), np.zeros(4, np.int64),
+                        np.array([100, 104, 108, 112]), np.array([104, 108, 112, 116]), ["0" * 16] * 4)
+    meta = Metadata(world_size=1, files=[FileMeta("r00000-00.safetensors", 1000)],
+                    tensors={"w": TensorMeta("F32", (2, 2), chunks)}, values={})
+    with pytest.raises(hyperdcp.FormatError, match="do not tile tensor 'w'"):
+        Metadata.from_json(meta.to_json())
+    record, index = encode_v2(meta, "hyperdcp-index-abc.safetensors")
+    with pytest.raises(hyperdcp.FormatError, match="chunk 3 of tensor 'w' repeats another chunk's box"):
+        Metadata.from_json(record, "ck/hyperdcp.json", index=index)

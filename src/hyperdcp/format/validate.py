@@ -274,7 +274,13 @@ def _parse_tensors_fast(doc: dict, nfiles: int, block: int) -> dict[str, TensorM
             return None
     if ((numel == 0) & (counts_a > 0)).any() or ((numel > 0) & (counts_a == 0)).any():
         return None
-    # every chunk box distinct per tensor is implied by an exact tiling; test it (grid fast, else general)
+    # an exact tiling needs distinct boxes (grid_tiles assumes them: a repeated box can stand in for a
+    # missing grid cell), then test it (grid fast, else general)
+    if N:
+        keys = np.lexsort(tuple(offs[:, d] for d in range(D - 1, -1, -1)) + (tid,))
+        so, st = offs[keys], tid[keys]
+        if ((st[1:] == st[:-1]) & (so[1:] == so[:-1]).all(axis=1)).any():
+            return None
     tiled = grid_tiles(tid, offs, lens, shp) | (numel == 0)
     for t in np.flatnonzero(~tiled):
         sl = slice(first[t], first[t] + counts_a[t])
