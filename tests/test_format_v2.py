@@ -200,3 +200,24 @@ def test_a_missing_data_file_of_a_format_2_checkpoint_is_damage_not_a_replaced_s
     os.unlink(os.path.join(path, name))
     with pytest.raises(hyperdcp.CorruptionError, match=f"{name} is missing; the checkpoint is damaged"):
         hyperdcp.load(_zeros(sd), path)
+
+
+def test_convert_reads_and_writes_format_2(tmp_path, monkeypatch):
+    from safetensors.numpy import load_file, save_file
+
+    from hyperdcp.tools.convert import dcp_to_hf, hf_to_dcp
+
+    monkeypatch.setenv("HYPERDCP_INDEX_MIN_CHUNKS", "0")
+    tensors = {k: v for k, v in _model(4).items() if isinstance(v, np.ndarray) and v.size}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    hf_to_dcp(str(tmp_path / "model.safetensors"), str(tmp_path / "ck"))
+    assert _record(str(tmp_path / "ck"))["format_version"] == 2
+    back = _zeros(tensors)
+    hyperdcp.load(back, str(tmp_path / "ck"))
+    _same(back, tensors)
+    dcp_to_hf(str(tmp_path / "ck"), str(tmp_path / "hf"))
+    out = {}
+    for f in sorted(os.listdir(tmp_path / "hf")):
+        if f.endswith(".safetensors"):
+            out.update(load_file(str(tmp_path / "hf" / f)))
+    _same(out, tensors)
