@@ -21,6 +21,7 @@ from ..core.boxes import check_exact_cover, grid_tiles
 from ..errors import CheckpointError, FormatError, UnsupportedVersionError
 from . import values as values_codec
 from .checksums import n_blocks
+from .chunk_index import _increasing
 from .metadata import (
     _TRAILER_RE,
     _ZERO,
@@ -276,7 +277,7 @@ def _parse_tensors_fast(doc: dict, nfiles: int, block: int) -> dict[str, TensorM
         return None
     # an exact tiling needs distinct boxes (grid_tiles assumes them: a repeated box can stand in for a
     # missing grid cell), then test it (grid fast, else general)
-    if N:
+    if N and not _increasing(tid, offs):  # boxes in increasing order (as written) are distinct
         keys = np.lexsort(tuple(offs[:, d] for d in range(D - 1, -1, -1)) + (tid,))
         so, st = offs[keys], tid[keys]
         if ((st[1:] == st[:-1]) & (so[1:] == so[:-1]).all(axis=1)).any():
