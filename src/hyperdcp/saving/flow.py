@@ -81,23 +81,28 @@ def build_metadata(plan: GlobalPlan, results: list[bytes], values: dict, opts: S
     arrays (a :class:`~hyperdcp.format.chunk_index.ChunkIndex`); tensors are viewed through it.
     """
     W = plan.world_size
-    files: list[FileMeta] = []
+    named: list = []  # [name, bytes] of every data file, rank by rank
+    nfiles = np.zeros(len(results), np.int64)
     fl, bl, el, sums = [], [], [], []
     pr_set = set(per_rank_values)
     pr_vals: dict[str, dict[int, Any]] = {k: {} for k in sorted(pr_set)}
-    for r, raw in enumerate(results):
+    for r, raw in enumerate(results):  # one message per rank: nothing here is per chunk
         head, arr = wire.unpack(raw)
-        for k, v in head.get("values", {}).items():
-            if k in pr_set:
-                pr_vals[k][r] = values_codec.decode(v, f"value {k!r} sent by rank {r}")
-        fl.append(arr["file"] + len(files))
-        files.extend(FileMeta(n, int(b)) for n, b in head["files"])
+        if pr_set:
+            for k, v in head.get("values", {}).items():
+                if k in pr_set:
+                    pr_vals[k][r] = values_codec.decode(v, f"value {k!r} sent by rank {r}")
+        named.extend(head["files"])
+        nfiles[r] = len(head["files"])
+        fl.append(arr["file"])
         bl.append(arr["begin"])
         el.append(arr["end"])
         sums.extend(head.get("checksums", []))
+    files = [FileMeta(n, int(b)) for n, b in named]
     counts = np.array([len(x) for x in fl], np.int64)
     rank_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     gfile, gbegin, gend = (np.concatenate(x) if x else np.zeros(0, np.int64) for x in (fl, bl, el))
+    gfile = gfile + np.repeat(np.cumsum(nfiles) - nfiles, counts)  # file indices of the rank -> of the checkpoint
     g = rank_start[plan.u_writer] + plan.u_slot  # unique chunk -> its row in the concatenated results
     meta = Metadata(
         world_size=W,
