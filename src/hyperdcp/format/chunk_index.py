@@ -126,7 +126,7 @@ class ChunkIndex:
 
 
 def from_tables(names: Sequence[str], dtypes_: Sequence[str], shapes: Sequence[tuple[int, ...]],
-                tables: Sequence, block_bytes: int) -> ChunkIndex:
+                tables: Sequence) -> ChunkIndex:
     """The index of per-tensor chunk tables (``ChunkTable``-like: offsets, lengths, file, begin, end,
     checksums as hex strings or uint64 arrays); used when a Metadata was built tensor by tensor."""
     T = len(names)
@@ -393,10 +393,6 @@ def _read_arrays(mv: memoryview, bad) -> dict[str, np.ndarray]:
     return out
 
 
-__all__ = ["ARRAYS", "INDEX_FORMAT", "ChunkIndex", "HexChecksums", "decode", "from_tables", "hex_to_uint64",
-           "n_blocks"]
-
-
 def index_from_plan(plan, rows: np.ndarray, gfile: np.ndarray, gbegin: np.ndarray, gend: np.ndarray,
                     sums: Sequence[str], block_bytes: int) -> ChunkIndex:
     """The index of a save from its global plan (``GlobalPlan``) and the writers' results, vectorised.
@@ -443,3 +439,7 @@ def index_from_plan(plan, rows: np.ndarray, gfile: np.ndarray, gbegin: np.ndarra
                      gbegin[rows].astype(np.int64), gend[rows].astype(np.int64), sel)
     out.sum_first = out_start
     return out
+
+
+__all__ = ["ARRAYS", "INDEX_FORMAT", "ChunkIndex", "HexChecksums", "decode", "from_tables", "hex_to_uint64",
+           "index_from_plan", "n_blocks"]

@@ -117,8 +117,7 @@ class Metadata:
         if self.index is None:
             names = list(self.tensors)
             ts = [self.tensors[n] for n in names]
-            self.index = from_tables(names, [t.dtype for t in ts], [t.shape for t in ts], [t.chunks for t in ts],
-                                     self.checksum_block_bytes)
+            self.index = from_tables(names, [t.dtype for t in ts], [t.shape for t in ts], [t.chunks for t in ts])
         return self.index
 
     # -- summaries -------------------------------------------------------------------------
