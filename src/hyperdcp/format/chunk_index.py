@@ -402,11 +402,12 @@ def index_from_plan(plan, rows: np.ndarray, gfile: np.ndarray, gbegin: np.ndarra
     """
     specs = plan.tensors
     T = len(specs)
-    ndim = np.fromiter(map(len, (s.shape for s in specs)), np.int64, count=T)
+    shapes = [s.shape for s in specs]  # per tensor, never per chunk
+    ndim = np.fromiter(map(len, shapes), np.int64, count=T)
     D = int(ndim.max()) if T else 0
     shape = np.ones((T, D), np.int64)
     if T and D:
-        flat_dims = np.fromiter(chain.from_iterable(s.shape for s in specs), np.int64, count=int(ndim.sum()))
+        flat_dims = np.fromiter(chain.from_iterable(shapes), np.int64, count=int(ndim.sum()))
         tid_dims = np.repeat(np.arange(T), ndim)
         first_dim = np.zeros(T + 1, np.int64)
         np.cumsum(ndim, out=first_dim[1:])
