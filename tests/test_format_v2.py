@@ -221,3 +221,26 @@ def test_convert_reads_and_writes_format_2(tmp_path, monkeypatch):
         if f.endswith(".safetensors"):
             out.update(load_file(str(tmp_path / "hf" / f)))
     _same(out, tensors)
+
+
+def test_a_format_2_checkpoint_loads_from_a_url(tmp_path, monkeypatch):
+    import fsspec
+
+    monkeypatch.setenv("HYPERDCP_INDEX_MIN_CHUNKS", "0")
+    sd = _model(3)
+    path = str(tmp_path / "ck")
+    hyperdcp.save(sd, path)
+    mem = fsspec.filesystem("memory")
+    for e in os.listdir(path):
+        mem.pipe_file(f"/idx13-v2/ck/{e}", open(os.path.join(path, e), "rb").read())
+    try:
+        url = "memory://idx13-v2/ck"
+        assert _chunk_tables(hyperdcp.read_metadata(url)) == _chunk_tables(hyperdcp.read_metadata(path))
+        back = _zeros(sd)
+        hyperdcp.load(back, url)
+        _same(back, sd)
+        mem.rm(f"/idx13-v2/ck/{_record(path)['index']['name']}")
+        with pytest.raises(hyperdcp.FormatError, match="chunk index .* is missing"):
+            hyperdcp.read_metadata(url)
+    finally:
+        mem.rm("/idx13-v2", recursive=True)
