@@ -90,7 +90,8 @@ def bench_hyperdcp(specs, per_rank, W):
                                  {"file": np.zeros(n, np.int64), "begin": np.arange(n, dtype=np.int64) * 16, "end": np.arange(1, n + 1, dtype=np.int64) * 16}))
     t3 = time.perf_counter()
     meta = build_metadata(gp, results, {"step": 1}, SaveOptions())
-    blob = meta.to_json()
+    record, index = meta.encode("hyperdcp-index-0123456789ab.safetensors")  # format 2 at >= 1024 chunks
+    blob = record + (index or b"")
     t4 = time.perf_counter()
     nb = gp.bytes_per_rank
     writers = nb[nb > 0]

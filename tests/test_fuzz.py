@@ -194,3 +194,71 @@ def test_no_code_in_a_checkpoint_runs_on_load(tmp_path, monkeypatch):
         with pytest.raises(hyperdcp.FormatError):
             hyperdcp.load(fz.zeros(state), path)
         monkeypatch.undo()
+
+
+# -- format 2: the binary chunk index (issue 13) ---------------------------------------------------------
+HOSTILE_INTS = [-1, 0, 1, 2**31, 2**40, 2**62, 2**63 - 1, -(2**63), 7]
+
+
+@pytest.fixture(scope="module")
+def pristine_v2(pristine):
+    """The fuzz checkpoint's metadata as a format-2 record and index (in memory)."""
+    from hyperdcp.format.record_v2 import encode_v2
+
+    path, _, _ = pristine
+    meta = hyperdcp.read_metadata(path)
+    record, index = encode_v2(meta, "hyperdcp-index-fuzz.safetensors")
+    doc = json.loads(record)
+    del doc["metadata_checksum"]
+    return doc, index
+
+
+def _v2_reader(doc, index: bytes):
+    import xxhash
+
+    d = json.loads(json.dumps(doc))
+    d["index"]["bytes"] = d["files"][-1]["bytes"] = len(index)
+    d["index"]["xxh3_64"] = "%016x" % xxhash.xxh3_64_intdigest(index)
+    return fz.sign(d)
+
+
+@SETTINGS
+@given(st.randoms(use_true_random=False), st.integers(min_value=1, max_value=8))
+def test_chunk_index_byte_mutations(pristine_v2, rnd, edits):
+    doc, index = pristine_v2
+    raw = bytearray(index)
+    for _ in range(edits):
+        what = rnd.random()
+        if what < 0.7:
+            raw[rnd.randrange(len(raw))] = rnd.randrange(256)
+        elif what < 0.85:
+            del raw[rnd.randrange(len(raw)):]
+        else:
+            raw[rnd.randrange(len(raw)):rnd.randrange(len(raw))] = rnd.randbytes(rnd.randrange(16))
+        if not raw:
+            break
+    try:
+        Metadata.from_json(_v2_reader(doc, bytes(raw)), index=bytes(raw))
+    except hyperdcp.CheckpointError:
+        pass
+
+
+@SETTINGS
+@given(st.randoms(use_true_random=False), st.sampled_from(HOSTILE_INTS))
+def test_chunk_index_array_mutations(pristine_v2, rnd, value):
+    import numpy as np
+    from safetensors.numpy import load, save
+
+    doc, index = pristine_v2
+    arrays = {k: v.copy() for k, v in load(index).items()}
+    name = rnd.choice(sorted(arrays))
+    a = arrays[name]
+    if a.size and rnd.random() < 0.8:
+        a.reshape(-1)[rnd.randrange(a.size)] = np.array(value).astype(a.dtype)
+    else:
+        arrays[name] = np.ascontiguousarray(a.reshape(-1)[: rnd.randrange(a.size + 1)] if a.ndim == 1 else a[:, :0])
+    raw = save(arrays, metadata={"format": "hyperdcp-chunk-index", "version": "2"})
+    try:
+        Metadata.from_json(_v2_reader(doc, raw), index=raw)
+    except hyperdcp.CheckpointError:
+        pass

@@ -206,7 +206,8 @@ class BoxIndex:
         return cand[hit]
 
 
-def grid_tiles(tidx: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, shapes: np.ndarray) -> np.ndarray:
+def grid_tiles(tidx: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, shapes: np.ndarray,
+               presorted: bool = False) -> np.ndarray:
     """Per tensor: True where its boxes certainly tile it exactly as a grid (vectorised over tensors).
 
     ``tidx`` (n,) names each box's tensor in ``range(len(shapes))``; ``offsets``/``lengths`` are
@@ -214,7 +215,8 @@ def grid_tiles(tidx: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, shape
     Boxes must be distinct. A grid tiling: per dimension the distinct intervals of a tensor tile
     [0, size) end to end, each start has one end, and there are as many boxes as grid cells. False
     means "not proven here" (the tensor may still be tiled in a non-grid way, or not at all): callers
-    fall back to :func:`check_exact_cover` for those tensors.
+    fall back to :func:`check_exact_cover` for those tensors. ``presorted``: the boxes are already in
+    (tensor, first offset) order, so the first dimension needs no sort.
     """
     T, D = shapes.shape
     n = len(tidx)
@@ -225,8 +227,11 @@ def grid_tiles(tidx: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, shape
     for d in range(D):
         o = offsets[:, d]
         e = o + lengths[:, d]
-        idx = np.lexsort((o, tidx))
-        t_s, o_s, e_s = tidx[idx], o[idx], e[idx]
+        if d == 0 and presorted:
+            t_s, o_s, e_s = tidx, o, e
+        else:
+            idx = np.lexsort((o, tidx))
+            t_s, o_s, e_s = tidx[idx], o[idx], e[idx]
         new = np.ones(n, dtype=bool)
         new[1:] = (t_s[1:] != t_s[:-1]) | (o_s[1:] != o_s[:-1])
         dup_bad = ~new[1:] & (e_s[1:] != e_s[:-1])

@@ -14,8 +14,9 @@ import json
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import xxhash
@@ -27,9 +28,11 @@ from ..errors import CheckpointError, FormatError, MismatchError
 from ..options import DEFAULT_BLOCK_BYTES
 from . import values as values_codec
 from .checksums import n_blocks  # noqa: F401 - re-exported (its former home)
+from .chunk_index import ChunkIndex, HexChecksums, from_tables
 
 FORMAT_NAME = "hyperdcp"
-FORMAT_VERSION = 1
+#: the newest format version this hyperdcp reads (it writes 1, or 2 with a chunk index: docs/FORMAT.md)
+FORMAT_VERSION = 2
 METADATA_FILE = "hyperdcp.json"
 CHECKSUM_ALGORITHM = "xxh3-64"
 _TRAILER_RE = re.compile(rb',"metadata_checksum":"([0-9a-f]{16})"\}\n?$')
@@ -60,7 +63,7 @@ class ChunkTable:
     file: np.ndarray  # (n,) int64: index into Metadata.files
     begin: np.ndarray  # (n,) int64: absolute byte offset of the chunk in its file
     end: np.ndarray  # (n,) int64
-    checksums: list[str]  # per chunk: 16 hex digits per checksum block
+    checksums: list[str]  # per chunk: 16 hex digits per checksum block (format 2: a HexChecksums view)
 
     def __len__(self) -> int:
         return len(self.begin)
@@ -96,7 +99,7 @@ class Metadata:
     tensors: dict[str, TensorMeta]
     values: dict[str, Any]
     checksum_block_bytes: int = DEFAULT_BLOCK_BYTES
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1
     library_version: str = __version__
     created_unix: float = field(default_factory=time.time)
     user: dict[str, Any] = field(default_factory=dict)
@@ -106,11 +109,25 @@ class Metadata:
     #: tensors stored per rank (every holder held it whole, with different contents): fqn -> the saving
     #: ranks; the stored tensor has one leading dimension more, row i holding rank ``ranks[i]``'s copy
     per_rank_tensors: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: the array view of every chunk (format 2 reads and vectorised saves set it; see :meth:`chunk_index`)
+    index: ChunkIndex | None = field(default=None, repr=False, compare=False)
+
+    def chunk_index(self) -> ChunkIndex:
+        """Every tensor and chunk as arrays (:class:`~hyperdcp.format.chunk_index.ChunkIndex`), built once."""
+        if self.index is None:
+            names = list(self.tensors)
+            ts = [self.tensors[n] for n in names]
+            self.index = from_tables(names, [t.dtype for t in ts], [t.shape for t in ts], [t.chunks for t in ts])
+        return self.index
 
     # -- summaries -------------------------------------------------------------------------
     @property
     def tensor_bytes(self) -> int:
         """Unique tensor bytes (each element once)."""
+        if self.index is not None:
+            ix = self.index
+            isz = np.array([dtypes.itemsize(d) for d in ix.dtype_names], np.int64)
+            return int((ix.shape.prod(axis=1) * isz[ix.dtype]).sum()) if ix.num_tensors else 0
         return sum(t.nbytes for t in self.tensors.values())
 
     @property
@@ -119,6 +136,8 @@ class Metadata:
 
     @property
     def num_chunks(self) -> int:
+        if self.index is not None:
+            return self.index.num_chunks
         return sum(len(t.chunks) for t in self.tensors.values())
 
     def keys(self) -> list[str]:
@@ -147,7 +166,7 @@ class Metadata:
                 seen.add(new)
             return out
 
-        return replace(self, tensors=rename(self.tensors), values=rename(self.values))
+        return replace(self, tensors=rename(self.tensors), values=rename(self.values), index=None)
 
     # -- encoding --------------------------------------------------------------------------
     def to_json(self) -> bytes:
@@ -168,7 +187,7 @@ class Metadata:
             }
         doc = {
             "format": FORMAT_NAME,
-            "format_version": self.format_version,
+            "format_version": 1,  # the all-JSON form (format 2: encode())
             "library_version": self.library_version,
             "created_unix": self.created_unix,
             "world_size": self.world_size,
@@ -185,17 +204,77 @@ class Metadata:
         digest = b"%016x" % xxhash.xxh3_64_intdigest(body)
         return body[: -len(_ZERO) - 3] + digest + b'"}\n'
 
+    def encode(self, index_name: str | None = None) -> tuple[bytes, bytes | None]:
+        """The commit record, and the chunk index file to write before it (None: a format-1 record).
+
+        With ``index_name`` and at least :func:`~hyperdcp.format.record_v2.index_min_chunks` chunks, the
+        record is format 2 and names ``index_name`` (docs/FORMAT.md); else it is :meth:`to_json`.
+        """
+        from .record_v2 import encode_v2, index_min_chunks
+
+        if index_name is None or self.num_chunks < index_min_chunks():
+            return self.to_json(), None
+        self.format_version = 2  # what is committed
+        return encode_v2(self, index_name)
+
     @classmethod
-    def from_json(cls, raw: bytes, where: str = METADATA_FILE) -> "Metadata":
-        """Parse and strictly validate; raise a FormatError subclass naming ``where`` on any problem."""
+    def from_json(cls, raw: bytes, where: str = METADATA_FILE, index: bytes | Callable[[str, int], bytes] | None = None
+                  ) -> "Metadata":
+        """Parse and strictly validate; raise a FormatError subclass naming ``where`` on any problem.
+
+        ``index``: a format-2 record's chunk index, as bytes or as ``read(name, nbytes) -> bytes`` (the
+        caller's storage); a format-2 record without it is refused (FormatError saying so).
+        """
         from .validate import parse  # the strict parser (fast path + naming path) lives beside this module
 
         try:
-            return parse(raw, where)
+            return parse(raw, where, index)
         except CheckpointError:
             raise
         except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError, MemoryError) as e:
             raise FormatError(f"{where}: invalid metadata ({type(e).__name__}: {e}); the file is damaged") from None
+
+
+class IndexedTensors(Mapping):
+    """``Metadata.tensors`` of a format-2 read or a vectorised save: TensorMeta objects made on access.
+
+    A read-only mapping over a :class:`ChunkIndex` (no per-tensor objects until a tensor is looked up).
+    """
+
+    def __init__(self, index: ChunkIndex, block_bytes: int, positions: dict[str, int] | None = None):
+        self._ix, self._block = index, block_bytes
+        self._pos = positions  # name -> tensor row, built on first lookup
+        self._made: dict[int, TensorMeta] = {}
+
+    def _positions(self) -> dict[str, int]:
+        if self._pos is None:
+            self._pos = dict(zip(self._ix.names, range(len(self._ix.names))))
+        return self._pos
+
+    def __getitem__(self, name: str) -> TensorMeta:
+        t = self._positions()[name]
+        tm = self._made.get(t)
+        if tm is None:
+            ix = self._ix
+            a, b, nd = int(ix.first[t]), int(ix.first[t + 1]), int(ix.ndim[t])
+            starts = ix.block_starts(self._block)[a:b + 1]
+            chunks = ChunkTable(ix.offsets[a:b, :nd], ix.lengths[a:b, :nd], ix.file[a:b], ix.begin[a:b], ix.end[a:b],
+                                HexChecksums(ix.checksums, starts))  # type: ignore[arg-type]
+            tm = self._made[t] = TensorMeta(ix.dtype_names[int(ix.dtype[t])], tuple(int(x) for x in ix.shape[t, :nd]),
+                                            chunks)
+        return tm
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._positions()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ix.names)
+
+    def __len__(self) -> int:
+        return len(self._ix.names)
+
+    def __repr__(self) -> str:
+        return f"IndexedTensors({len(self)} tensors, {self._ix.num_chunks} chunks)"
 
 
 def sign_json(doc: dict) -> bytes:

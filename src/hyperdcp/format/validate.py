@@ -21,6 +21,7 @@ from ..core.boxes import check_exact_cover, grid_tiles
 from ..errors import CheckpointError, FormatError, UnsupportedVersionError
 from . import values as values_codec
 from .checksums import n_blocks
+from .chunk_index import _increasing
 from .metadata import (
     _TRAILER_RE,
     _ZERO,
@@ -37,10 +38,14 @@ from .metadata import (
     Metadata,
     TensorMeta,
 )
+from .record_v2 import parse_index
 
 
-def parse(raw: bytes, where: str) -> Metadata:
-    """Parse and strictly validate a commit record (:meth:`Metadata.from_json` wraps it)."""
+def parse(raw: bytes, where: str, index=None) -> Metadata:
+    """Parse and strictly validate a commit record (:meth:`Metadata.from_json` wraps it).
+
+    ``index``: a format-2 record's chunk index (bytes, or ``read(name, nbytes)``); see :mod:`.record_v2`.
+    """
     def bad(why: str) -> FormatError:
         return FormatError(f"{where}: {why}; the metadata is damaged or was not written by hyperdcp")
 
@@ -80,13 +85,22 @@ def parse(raw: bytes, where: str) -> Metadata:
         seen.add(name)
         files.append(FileMeta(name, _int(f.get("bytes"), f"size of {name}", bad, lo=0, hi=1 << 60)))
 
-    tensors_doc = doc.get("tensors")
-    if not isinstance(tensors_doc, dict):
-        raise bad("tensors must be an object")
-    tensors = _parse_tensors_fast(tensors_doc, len(files), block)
-    if tensors is None:  # something is off: the per-tensor path finds and names it
-        tensors = {name: _parse_tensor(name, t, len(files), block, bad) for name, t in tensors_doc.items()}
-    tms = [tm for tm in tensors.values() if len(tm.chunks)]
+    chunk_index = None
+    if version == 2:  # the chunk table is in the index file (validated there, vectorised)
+        if "tensors" in doc:
+            raise bad("a format-2 record keeps its tensors in its chunk index, not in a 'tensors' member")
+        files, tensors, chunk_index = parse_index(doc, files, block, where, index, bad)
+        tms = []
+    else:
+        if "index" in doc:
+            raise bad("a format-1 record has no 'index' member")
+        tensors_doc = doc.get("tensors")
+        if not isinstance(tensors_doc, dict):
+            raise bad("tensors must be an object")
+        tensors = _parse_tensors_fast(tensors_doc, len(files), block)
+        if tensors is None:  # something is off: the per-tensor path finds and names it
+            tensors = {name: _parse_tensor(name, t, len(files), block, bad) for name, t in tensors_doc.items()}
+        tms = [tm for tm in tensors.values() if len(tm.chunks)]
     if tms:
         r = np.stack([np.concatenate([getattr(tm.chunks, k) for tm in tms]) for k in ("file", "begin", "end")], axis=1)
         sizes = np.array([f.nbytes for f in files], dtype=np.int64)
@@ -102,7 +116,7 @@ def parse(raw: bytes, where: str) -> Metadata:
     if not isinstance(values_doc, dict):
         raise bad("values must be an object")
     vals = {k: values_codec.decode(v, f"{where}: value {k!r}") for k, v in values_doc.items()}
-    clash = set(vals) & set(tensors)
+    clash = [k for k in vals if k in tensors]
     if clash:
         raise bad(f"key {sorted(clash)[0]!r} is both a tensor and a value")
     user = doc.get("user", {})
@@ -123,6 +137,7 @@ def parse(raw: bytes, where: str) -> Metadata:
         user=user,
         per_rank_values=pr_values,
         per_rank_tensors=pr_tensors,
+        index=chunk_index,
     )
 
 
@@ -260,7 +275,13 @@ def _parse_tensors_fast(doc: dict, nfiles: int, block: int) -> dict[str, TensorM
             return None
     if ((numel == 0) & (counts_a > 0)).any() or ((numel > 0) & (counts_a == 0)).any():
         return None
-    # every chunk box distinct per tensor is implied by an exact tiling; test it (grid fast, else general)
+    # an exact tiling needs distinct boxes (grid_tiles assumes them: a repeated box can stand in for a
+    # missing grid cell), then test it (grid fast, else general)
+    if N and not _increasing(tid, offs):  # boxes in increasing order (as written) are distinct
+        keys = np.lexsort(tuple(offs[:, d] for d in range(D - 1, -1, -1)) + (tid,))
+        so, st = offs[keys], tid[keys]
+        if ((st[1:] == st[:-1]) & (so[1:] == so[:-1]).all(axis=1)).any():
+            return None
     tiled = grid_tiles(tid, offs, lens, shp) | (numel == 0)
     for t in np.flatnonzero(~tiled):
         sl = slice(first[t], first[t] + counts_a[t])

@@ -32,7 +32,9 @@ from ..coordination.base import (
     unpack_status,
 )
 from ..format import values as values_codec
-from ..format.metadata import ChunkTable, FileMeta, Metadata, TensorMeta
+from ..format.chunk_index import index_from_plan
+from ..format.metadata import FileMeta, IndexedTensors, Metadata
+from ..format.record_v2 import index_file_name
 from ..format.safetensors import save_token
 from ..options import SaveOptions
 from ..planning.save_plan import GlobalPlan, LocalPlan, PerRank, PlanCache, classify_per_rank, plan_global
@@ -50,51 +52,46 @@ def build_metadata(plan: GlobalPlan, results: list[bytes], values: dict, opts: S
     """Join the global plan with every rank's write results into the checkpoint metadata.
 
     ``values`` are rank 0's; those named in ``per_rank_values`` are taken from every rank's result
-    instead (each rank sends its own, see :func:`persist`).
+    instead (each rank sends its own, see :func:`persist`). Vectorised: the chunk table is built as
+    arrays (a :class:`~hyperdcp.format.chunk_index.ChunkIndex`); tensors are viewed through it.
     """
     W = plan.world_size
-    files: list[FileMeta] = []
-    file_base = np.zeros(W, np.int64)
+    named: list = []  # [name, bytes] of every data file, rank by rank
+    nfiles = np.zeros(len(results), np.int64)
     fl, bl, el, sums = [], [], [], []
     pr_set = set(per_rank_values)
     pr_vals: dict[str, dict[int, Any]] = {k: {} for k in sorted(pr_set)}
-    for r, raw in enumerate(results):
+    for r, raw in enumerate(results):  # one message per rank: nothing here is per chunk
         head, arr = wire.unpack(raw)
-        for k, v in head.get("values", {}).items():
-            if k in pr_set:
-                pr_vals[k][r] = values_codec.decode(v, f"value {k!r} sent by rank {r}")
-        file_base[r] = len(files)
-        files.extend(FileMeta(n, int(b)) for n, b in head["files"])
-        fl.append(arr["file"] + file_base[r])
+        if pr_set:
+            for k, v in head.get("values", {}).items():
+                if k in pr_set:
+                    pr_vals[k][r] = values_codec.decode(v, f"value {k!r} sent by rank {r}")
+        named.extend(head["files"])
+        nfiles[r] = len(head["files"])
+        fl.append(arr["file"])
         bl.append(arr["begin"])
         el.append(arr["end"])
         sums.extend(head.get("checksums", []))
+    files = [FileMeta(n, int(b)) for n, b in named]
     counts = np.array([len(x) for x in fl], np.int64)
-    rank_start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    rank_start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     gfile, gbegin, gend = (np.concatenate(x) if x else np.zeros(0, np.int64) for x in (fl, bl, el))
+    gfile = gfile + np.repeat(np.cumsum(nfiles) - nfiles, counts)  # file indices of the rank -> of the checkpoint
     g = rank_start[plan.u_writer] + plan.u_slot  # unique chunk -> its row in the concatenated results
-    ufile, ubegin, uend = gfile[g], gbegin[g], gend[g]
-    usums = [sums[i] for i in g.tolist()]
-    ranges = plan.tensor_ranges()
-    tensors = {}
-    for t, spec in enumerate(plan.tensors):
-        a, b = int(ranges[t]), int(ranges[t + 1])
-        nd = len(spec.shape)
-        tensors[spec.fqn] = TensorMeta(
-            spec.dtype,
-            spec.shape,
-            ChunkTable(plan.u_offsets[a:b, :nd], plan.u_lengths[a:b, :nd], ufile[a:b], ubegin[a:b], uend[a:b], usums[a:b]),
-        )
-    return Metadata(
+    meta = Metadata(
         world_size=W,
         files=files,
-        tensors=tensors,
+        tensors={},
         values={k: v for k, v in values.items() if k not in pr_set},
         checksum_block_bytes=opts.checksum_block_bytes,
         user=dict(opts.user_metadata),
         per_rank_values={k: v for k, v in pr_vals.items() if v},
         per_rank_tensors=dict(plan.per_rank),
     )
+    meta.index = index_from_plan(plan, g, gfile, gbegin, gend, sums, opts.checksum_block_bytes)
+    meta.tensors = IndexedTensors(meta.index, opts.checksum_block_bytes)  # type: ignore[assignment]
+    return meta
 
 
 def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, opts: SaveOptions,
@@ -197,7 +194,12 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
             if bad:
                 unpack_status(results[bad[0]], coord, f"writing data files of {path!r}", bad[0])
             meta = build_metadata(gplan, [m[1:] for m in results], staged.values, opts, per_rank.values)
-            staging.commit(meta.to_json())
+            index_name = index_file_name(save_token(os.path.basename(location.rstrip("/"))))
+            record, index = meta.encode(index_name)
+            if index is not None:  # format 2: the chunk index is an ordinary file of the save, written first
+                with staging.create(index_name, "chunk index") as w:
+                    w.write(index)
+            staging.commit(record)
             return b""
 
         broadcast_checked(coord, f"committing {path!r}", commit if rank == 0 else None, 0, local=wexc)

@@ -23,6 +23,7 @@ from ..coordination import wire  # core/wire.py once it exists (P3)
 from ..errors import CheckpointExistsError
 from ..format import rank_files
 from ..format.metadata import METADATA_FILE, Metadata, max_metadata_bytes
+from ..format.record_v2 import index_file_name, is_index_file
 from ..format.safetensors import save_token
 from ..options import SaveOptions
 from ..results import SaveResult
@@ -49,7 +50,7 @@ def persist_alone(path: str, rank: int, world_size: int, staged: StagedState, mi
         )
     if existing:
         for e in present:
-            if e == mine_file or e.startswith(f"r{rank:05d}-") or (rank == 0 and e == METADATA_FILE):
+            if e == mine_file or e.startswith(f"r{rank:05d}-") or (rank == 0 and (e == METADATA_FILE or is_index_file(e))):
                 files.remove(e)
     result = write.seam()(files, rank, staged, mine, opts, save_token(save_id))
     head, arr = wire.unpack(result)
@@ -113,7 +114,12 @@ def finalize(path: str, storage: Storage | None = None) -> Metadata:
     storage = storage if storage is not None else storage_for(path)
     try:
         meta = merge_at(storage)
-        storage.begin_in_place(0).put(METADATA_FILE, meta.to_json())
+        files = storage.begin_in_place(0)
+        token = save_token("\0".join(f.name for f in meta.files))
+        record, index = meta.encode(index_file_name(token))
+        if index is not None:  # format 2: its chunk index first (atomic: finalize may run again)
+            files.put(index_file_name(token), index, "chunk index")
+        files.put(METADATA_FILE, record)
     finally:
         storage.close()
     return meta

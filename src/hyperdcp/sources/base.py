@@ -27,6 +27,7 @@ from typing import Callable, ClassVar
 
 from ..errors import CheckpointError, CorruptionError, StorageError
 from ..format.metadata import Metadata
+from ..format.record_v2 import is_index_file
 from ..storage.commit import read_metadata_bytes
 from ..storage.data_file import chunk_name, read_header
 from ..storage.safe_open import open_dir, open_regular
@@ -102,7 +103,8 @@ class ChunkReader:
         load raced a save that replaced it; the load never mixes the two versions.
         """
         try:
-            now = [f["name"] for f in json.loads(read_metadata_bytes(self.root).decode("utf-8")).get("files", [])]
+            now = [f["name"] for f in json.loads(read_metadata_bytes(self.root).decode("utf-8")).get("files", [])
+                   if not is_index_file(f["name"])]  # format 2 lists its chunk index among the files
         except Exception:  # noqa: BLE001 - only decides which message to give
             now = None
         if now is not None and now != [f.name for f in self.meta.files]:

@@ -9,6 +9,7 @@ killed between its renames (restored on open), a torch DCP directory -- come fro
 from __future__ import annotations
 
 import os
+import struct
 
 from ..format.metadata import METADATA_FILE, Metadata
 from ..format.rank_files import is_rank_file
@@ -23,10 +24,26 @@ class HyperdcpSource(Source):
     kind = "hyperdcp"
     verifiable = True
 
-    def __init__(self, root: str, raw: bytes, metadata: Metadata | None = None):
+    def __init__(self, root: str, raw: bytes, metadata: Metadata | None = None, index: bytes | None = None):
         self.root = root
         self.raw = raw  # the commit record as stored: what other ranks receive
-        self.metadata = metadata if metadata is not None else Metadata.from_json(raw, where=self.record_path)
+        #: a format-2 record's chunk index, read once by the opening rank and sent with the record
+        self.index = index if index is not None else b""
+        if metadata is None:
+            read = None if index is not None else self._read_index
+            metadata = Metadata.from_json(raw, where=self.record_path, index=index if index is not None else read)
+        self.metadata = metadata
+
+    def _read_index(self, name: str, nbytes: int) -> bytes:
+        """Read a format-2 record's chunk index beside it, through the checkpoint's storage."""
+        from ..storage.urls import storage_for
+
+        storage = storage_for(self.root)
+        try:
+            self.index = storage.read_all(name, nbytes, "chunk index")
+        finally:
+            storage.close()
+        return self.index
 
     @property
     def record_path(self) -> str:
@@ -57,12 +74,23 @@ class HyperdcpSource(Source):
         return cls(root, read_metadata_bytes(root))
 
     def payload(self) -> bytes:
-        return self.root.encode("utf-8", "surrogateescape") + b"\0" + self.raw
+        """``root NUL record``, or for format 2 ``root NUL "HDX2" <u64 record length> record index``."""
+        head = self.root.encode("utf-8", "surrogateescape") + b"\0"
+        if not self.index:
+            return head + self.raw
+        return head + _BUNDLE + struct.pack("<Q", len(self.raw)) + self.raw + self.index
 
     @classmethod
     def from_payload(cls, raw: bytes) -> "HyperdcpSource":
         root, _, record = raw.partition(b"\0")
-        return cls(root.decode("utf-8", "surrogateescape"), record)
+        index = None
+        if record[:4] == _BUNDLE:  # format 2: the index rank 0 read travels with the record
+            (n,) = struct.unpack_from("<Q", record, 4) if len(record) >= 12 else (len(record),)
+            record, index = record[12:12 + n], record[12 + n:]
+        return cls(root.decode("utf-8", "surrogateescape"), record, index=index)
+
+
+_BUNDLE = b"HDX2"
 
 
 def _has_rank_files(path: str) -> bool:

@@ -53,7 +53,9 @@ def read_remote_metadata_bytes(url: str, storage: Storage | None = None) -> byte
 
 def load_remote_metadata(url: str) -> Metadata:
     """The validated metadata of the checkpoint at ``url``."""
-    return Metadata.from_json(read_remote_metadata_bytes(url), where=url_join(os.fspath(url), METADATA_FILE))
+    from .hyperdcp import HyperdcpSource  # reads a format-2 record's chunk index beside it
+
+    return HyperdcpSource(os.fspath(url), read_remote_metadata_bytes(url)).metadata
 
 
 class RemoteFiles(DataFiles):

@@ -74,7 +74,9 @@ def read_metadata_bytes(path: str) -> bytes:
 
 
 def load_metadata(path: str) -> Metadata:
-    return Metadata.from_json(read_metadata_bytes(path), where=os.path.join(os.fspath(path), METADATA_FILE))
+    path = os.fspath(path)
+    return Metadata.from_json(read_metadata_bytes(path), where=os.path.join(path, METADATA_FILE),
+                              index=lambda name, n: read_regular(os.path.join(path, name), "chunk index", n))
 
 
 def is_complete(path: str) -> bool:

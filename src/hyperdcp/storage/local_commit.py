@@ -47,7 +47,7 @@ from .safe_open import read_regular
 _TMP = ".hyperdcp-tmp-"
 _OLD = ".hyperdcp-old-"
 #: names hyperdcp writes inside a checkpoint directory (commit record, rank files, data files, temporaries)
-_OURS = re.compile(r"hyperdcp\.json(\.tmp)?|hyperdcp\.rank-[0-9]{5,}\.json(\.tmp)?|(r[0-9]{5,}-([0-9A-Za-z]+-)?[0-9]{2,}|hf[0-9]{5,})\.safetensors")
+_OURS = re.compile(r"hyperdcp\.json(\.tmp)?|hyperdcp\.rank-[0-9]{5,}\.json(\.tmp)?|(r[0-9]{5,}-([0-9A-Za-z]+-)?[0-9]{2,}|hf[0-9]{5,}|hyperdcp-index-[0-9a-z]+)\.safetensors")
 #: environment switch: commit overwrites with two renames instead of renameat2(RENAME_EXCHANGE)
 NO_EXCHANGE_ENV = "HYPERDCP_NO_RENAME_EXCHANGE"
 #: file descriptors a save keeps in reserve so that cleaning up after it never fails for lack of them
@@ -115,7 +115,8 @@ def _committed_metadata(path: str) -> Metadata:
             raise IncompleteCheckpointError(f"incomplete checkpoint at {path!r}: it has no {METADATA_FILE}") from None
         return merge_rank_files({n: read_regular(os.path.join(path, n), "rank metadata file", max_metadata_bytes())
                                  for n in names}, path)
-    return Metadata.from_json(raw, where=os.path.join(path, METADATA_FILE))
+    return Metadata.from_json(raw, where=os.path.join(path, METADATA_FILE),  # format 2: its index beside it
+                              index=lambda name, n: read_regular(os.path.join(path, name), "chunk index", n))
 
 
 def recover_interrupted_overwrite(path: str, wait: float = 2.0) -> bool:

@@ -26,6 +26,7 @@ from ..core import dtypes
 from ..core.boxes import full_box
 from ..errors import CheckpointExistsError, FormatError, MismatchError, StorageError
 from ..format.metadata import METADATA_FILE, ChunkTable, FileMeta, Metadata, TensorMeta
+from ..format.record_v2 import index_file_name
 from ..loading.reads import read_box
 from ..results import ConvertResult
 from ..sources.base import open_source, rename_keys
@@ -179,7 +180,11 @@ def hf_to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool
         user = {"converted_from": "huggingface-safetensors", **({"hf_metadata": meta.user["hf_metadata"]}
                                                                    if meta.user.get("hf_metadata") else {})}
         out = Metadata(world_size=1, files=out_files, tensors=ordered, values={}, checksum_block_bytes=B, user=user)
-        target.commit(out.to_json())
+        index_name = index_file_name(secrets.token_hex(6))
+        record, index = out.encode(index_name)  # format 2 for large models: the index first, the record last
+        if index is not None:
+            _write_small(os.path.join(tmp, index_name), index)
+        target.commit(record)
     except BaseException:
         target.abort()
         raise
