@@ -25,7 +25,10 @@ def s3(s3_server, monkeypatch, request):
 
     for k, v in s3_server.env.items():
         monkeypatch.setenv(k, v)
-    bucket = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-") + "-b"
+    import zlib
+
+    name = request.node.name.lower()  # a short readable part, and a digest so parametrized names stay distinct
+    bucket = f"{re.sub(r'[^a-z0-9-]', '-', name)[:40].strip('-')}-{zlib.crc32(name.encode()):08x}"
     s3_server.make_bucket(bucket)
     s3_server.bucket = bucket
     return s3_server

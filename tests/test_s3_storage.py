@@ -60,10 +60,14 @@ def test_save_load_round_trip_with_multipart_and_ranged_reads(s3):
     assert s3.boto().list_multipart_uploads(Bucket=s3.bucket).get("Uploads") is None
 
 
-def test_existing_checkpoint_is_refused_and_overwrite_replaces_it_cleanly(s3):
+@pytest.mark.parametrize("fmt", ["v1", "v2"])
+def test_existing_checkpoint_is_refused_and_overwrite_replaces_it_cleanly(s3, fmt, monkeypatch):
+    if fmt == "v2":  # a binary chunk index beside the record (format 2): replaced like the data objects
+        monkeypatch.setenv("HYPERDCP_INDEX_MIN_CHUNKS", "0")
     url = f"s3://{s3.bucket}/ck"
     hyperdcp.save(_state(1), url)
     first = _keys(s3)
+    assert any("hyperdcp-index-" in k for k in first) == (fmt == "v2")
     with pytest.raises(hyperdcp.CheckpointExistsError, match="overwrite=True"):
         hyperdcp.save(_state(2), url)
     assert _keys(s3) == first  # the refused save left nothing behind

@@ -27,6 +27,7 @@ from typing import Any, Callable
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptionError, FormatError, StorageError
 from ..format import rank_files
 from ..format.metadata import METADATA_FILE
+from ..format.record_v2 import index_file_name, is_index_file
 from ..format.safetensors import save_token
 from .base import FileWriter, SaveFiles, SaveStaging, Storage
 from .object_client import ObjectClient, ObjectExists, ObjectMissing, make_client, split_url
@@ -207,7 +208,7 @@ class ObjectStaging(ObjectFiles, SaveStaging):
     def abort(self) -> None:
         st, token = self.storage, self.token
         try:
-            st.delete_owned(lambda n: f"-{token}-" in n)
+            st.delete_owned(lambda n: f"-{token}-" in n or n == index_file_name(token))
             self._abort_uploads()
         except Exception:  # noqa: BLE001 - never raises: nothing of this save is listed without its record
             pass
@@ -392,7 +393,7 @@ class ObjectStorage(Storage):
     def delete_owned(self, which: Callable[[str], bool], names: list[str] | None = None) -> None:
         """Delete the hyperdcp data and rank files under the prefix (or among ``names``) for which ``which(name)``."""
         doomed = [self.key(n) for n in (self.names() if names is None else names)
-                  if (_OWNED.match(n) or rank_files.is_rank_file(n)) and which(n)]
+                  if (_OWNED.match(n) or rank_files.is_rank_file(n) or is_index_file(n)) and which(n)]
         if doomed:
             self.call(lambda: self.client.delete(doomed), f"deleting {len(doomed)} replaced object(s) under {self.url}")
 
