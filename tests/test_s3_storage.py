@@ -188,3 +188,20 @@ def test_checkpoint_manager_on_s3_keeps_the_last_steps_and_restores_the_newest(s
     assert hyperdcp.CheckpointManager(root).restore(got) == 4
     _same(got, _state(4, n=64 << 10))
     assert hyperdcp.CheckpointManager(root).metrics(4) == {"loss": 0.25}
+
+
+def test_format_2_checkpoints_are_listed_and_restored_by_latest_and_the_manager(s3, monkeypatch):
+    """A checkpoint with a binary chunk index (format 2, what large models get) counts as committed on S3:
+    latest_checkpoint finds it and the CheckpointManager lists, restores and reads its metrics."""
+    monkeypatch.setenv("HYPERDCP_INDEX_MIN_CHUNKS", "0")
+    root = f"s3://{s3.bucket}/run"
+    mgr = hyperdcp.CheckpointManager(root)
+    mgr.save(7, _state(7, n=64 << 10), metrics={"loss": 0.5})
+    mgr.close()
+    assert any("hyperdcp-index-" in k for k in _keys(s3, "run/step-7/"))
+    assert hyperdcp.latest_checkpoint(root) == f"{root}/step-7"
+    fresh = hyperdcp.CheckpointManager(root)
+    assert fresh.steps() == [7] and fresh.metrics(7) == {"loss": 0.5}
+    got = _zeros(_state(7, n=64 << 10))
+    assert fresh.restore(got) == 7
+    _same(got, _state(7, n=64 << 10))

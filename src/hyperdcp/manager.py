@@ -32,7 +32,7 @@ from .async_saving import async_save
 from .coordination import default_coordinator
 from .coordination.base import broadcast_checked, check_all
 from .errors import CheckpointError, CheckpointNotFoundError, FormatError
-from .format.metadata import METADATA_FILE, Metadata, max_metadata_bytes
+from .format.metadata import Metadata
 from .options import LoadOptions, SaveOptions
 from .retention import Retention, SaveSchedule, StepInfo
 from .storage.commit import load_metadata, recover_under, torch_dcp_message
@@ -122,10 +122,11 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 def _read_committed(path: str) -> Metadata:
     if not is_remote(path):
         return load_metadata(local_path(path))
+    from .storage.object_listing import read_committed
+
     st = storage_for(path)
     try:
-        return Metadata.from_json(st.read_all(METADATA_FILE, max_metadata_bytes(), "metadata file"),
-                                  where=url_join(path, METADATA_FILE))
+        return read_committed(st, path)
     finally:
         st.close()
 

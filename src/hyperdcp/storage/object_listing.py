@@ -12,18 +12,26 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format.metadata import METADATA_FILE, Metadata, max_metadata_bytes
+from .base import Storage
 from .object_store import ObjectStorage
 from .urls import storage_for, url_join
 
 _NUM = re.compile(r"(\d+)(?!.*\d)")
 
 
+def read_committed(st: Storage, url: str) -> Metadata:
+    """The validated commit record of the checkpoint in ``st`` (at ``url``), with its chunk index read from
+    beside it when the record is format 2 (CheckpointError when there is no valid record)."""
+    return Metadata.from_json(st.read_all(METADATA_FILE, max_metadata_bytes(), "metadata file"),
+                              where=url_join(url, METADATA_FILE),
+                              index=lambda name, n: st.read_all(name, n, "chunk index"))
+
+
 def read_record(url: str) -> Metadata:
     """The validated commit record of the checkpoint at ``url`` (CheckpointError when there is none)."""
     st = storage_for(url)
     try:
-        return Metadata.from_json(st.read_all(METADATA_FILE, max_metadata_bytes(), "metadata file"),
-                                  where=url_join(url, METADATA_FILE))
+        return read_committed(st, url)
     finally:
         st.close()
 
@@ -42,8 +50,7 @@ def committed_checkpoints(root: str, storage_options: dict | None = None) -> lis
         url = url_join(root, name)
         child = ObjectStorage(url, st.storage_options, client=st.client)
         try:
-            meta = Metadata.from_json(child.read_all(METADATA_FILE, max_metadata_bytes(), "metadata file"),
-                                      where=url_join(url, METADATA_FILE))
+            meta = read_committed(child, url)
         except CheckpointError:
             return None
         m = _NUM.search(name)
@@ -56,4 +63,4 @@ def committed_checkpoints(root: str, storage_options: dict | None = None) -> lis
     return [url for *_, url in found]
 
 
-__all__ = ["committed_checkpoints", "read_record"]
+__all__ = ["committed_checkpoints", "read_committed", "read_record"]
