@@ -205,3 +205,5 @@ def test_format_2_checkpoints_are_listed_and_restored_by_latest_and_the_manager(
     got = _zeros(_state(7, n=64 << 10))
     assert fresh.restore(got) == 7
     _same(got, _state(7, n=64 << 10))
+    assert hyperdcp.verify_checkpoint(f"{root}/step-7").ok
+    assert hyperdcp.read_metadata(f"{root}/step-7").format_version == 2
