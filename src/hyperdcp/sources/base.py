@@ -30,6 +30,7 @@ from ..format.metadata import Metadata
 from ..format.record_v2 import is_index_file
 from ..storage.commit import read_metadata_bytes
 from ..storage.data_file import chunk_name, read_header
+from ..storage.local import pread_full
 from ..storage.safe_open import open_dir, open_regular
 
 
@@ -147,18 +148,8 @@ class ChunkReader:
 
     def read_into(self, fidx: int, offset: int, out, what: str = "") -> None:
         """Fill ``out`` (a writable bytes-like) from ``offset``; a short read is corruption."""
-        mv = memoryview(out).cast("B")
-        fd = self.fd(fidx)
-        done = 0
-        while done < len(mv):
-            try:
-                n = os.preadv(fd, [mv[done:]], offset + done)
-            except OSError as e:
-                raise StorageError(f"reading data file {self.path(fidx)} failed: {e.strerror or e} (errno {e.errno}) "
-                                   f"while reading {what}; check the storage device and retry") from None
-            if n <= 0:
-                raise CorruptionError(f"{self.path(fidx)}: unexpected end of file while reading {what}")
-            done += n
+        path = self.path(fidx)
+        done = pread_full(self.fd(fidx), out, offset, f"data file {path}", path, what)
         with self._lock:
             self.bytes_read += done
             self.reads += 1

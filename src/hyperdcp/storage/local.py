@@ -25,6 +25,23 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 _REPLACE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
+
+def pread_full(fd: int, out, offset: int, where: str, path: str, what: str) -> int:
+    """Fill ``out`` from ``offset`` of ``fd`` (short reads retried); a read error is a StorageError naming
+    ``where``, an early end of file a CorruptionError naming ``path``. Returns the bytes read."""
+    mv = memoryview(out).cast("B")
+    done = 0
+    while done < len(mv):
+        try:
+            n = os.preadv(fd, [mv[done:]], offset + done)
+        except OSError as e:
+            raise StorageError(f"reading {where} failed: {e.strerror or e} (errno {e.errno}) while reading {what}; "
+                               "check the storage device and retry") from None
+        if n <= 0:
+            raise CorruptionError(f"{path}: unexpected end of file while reading {what}")
+        done += n
+    return done
+
 class LocalWriter(FileWriter):
     """A new file written with ``os.write`` and fsynced by :meth:`close`."""
 
@@ -152,18 +169,7 @@ class LocalStorage(Storage):
         return self._open(name, what)[1]
 
     def read_into(self, name: str, offset: int, out, what: str = "") -> None:
-        mv = memoryview(out).cast("B")
-        fd = self._open(name, "data file")[0]
-        done = 0
-        while done < len(mv):
-            try:
-                n = os.preadv(fd, [mv[done:]], offset + done)
-            except OSError as e:
-                raise StorageError(f"reading {self.path(name)} failed: {e.strerror or e} (errno {e.errno}) while "
-                                   f"reading {what}; check the storage device and retry") from None
-            if n <= 0:
-                raise CorruptionError(f"{self.path(name)}: unexpected end of file while reading {what}")
-            done += n
+        done = pread_full(self._open(name, "data file")[0], out, offset, self.path(name), self.path(name), what)
         with self._lock:
             self.bytes_read += done
             self.reads += 1
