@@ -17,6 +17,6 @@ pip_install "import-linter==2.16" "ruff==0.17.6"
 lint-imports
 ruff check src tests bench
 if [ "$#" -gt 0 ]; then exec python3 -m pytest -q -p no:cacheprovider "$@"; fi
-python3 -m pytest -q -p no:cacheprovider tests
+python3 -m pytest -q -p no:cacheprovider --durations=20 tests
 # the examples (torchtitan, transformers, accelerate) in their own venv: dev/test_examples.sh
 bash dev/test_examples.sh
