@@ -20,11 +20,15 @@ import random
 import socket
 import struct
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 #: GET this path on the proxy for its counters as JSON
 STATS_PATH = "/__proxy_stats"
+#: GET this path for the request log as JSON (and clear it): [start, end, method, path, bytes in, bytes out],
+#: times from time.time(); kept only while ``FaultProxy.keep_log`` is set (benchmark profiles)
+LOG_PATH = "/__proxy_log"
 KINDS = ("503", "500", "reset_before", "reset_after", "cut_body")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "trailer", "upgrade"}
 
@@ -69,6 +73,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(data)
             return
+        if self.path == LOG_PATH:
+            with px.lock:
+                data, px.log = json.dumps(px.log).encode(), []
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        t_start = time.time()
         fault = px.pick(self.command, self.path)
         with px.lock:
             px.stats["requests"] += 1
@@ -98,6 +111,8 @@ class _Handler(BaseHTTPRequestHandler):
             conn.close()
         with px.lock:
             px.stats[f"bytes_out_{self.command}"] += len(data)
+            if px.keep_log:
+                px.log.append([t_start, time.time(), self.command, self.path, len(body), len(data)])
         if fault == "reset_after" or (fault == "cut_body" and len(data) < 2):  # nothing to cut: lose the answer
             return self._reset()
         self.send_response(resp.status)
@@ -139,6 +154,9 @@ class FaultProxy:
         self._faults = 0
         self.lock = threading.Lock()
         self.stats: Counter = Counter()
+        #: keep a log of the forwarded requests (served at LOG_PATH)
+        self.keep_log = False
+        self.log: list[list] = []
         self._srv = _Server(("127.0.0.1", 0), _Handler)
         self._srv.proxy = self
         self.port = self._srv.server_address[1]

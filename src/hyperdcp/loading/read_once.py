@@ -397,7 +397,10 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
         check_all(coord, plan_what, plan_error)
         execute_local_reads(files, meta, group_reads(meta, pieces, opts.verify_checksums), opts)
         return None
-    seg, extra = None, {"host": host_key(opts.host_id or ""), "shm": "", "shm_free": 0}
+    # the storage's preferred request size (object stores: one ranged GET); rank 0's is used everywhere
+    req = getattr(getattr(files, "storage", None), "max_request_bytes", 0)
+    seg, extra = None, {"host": host_key(opts.host_id or ""), "shm": "", "shm_free": 0,
+                        "io": req if isinstance(req, int) and req > 0 else 0}
     size = presize(meta, opts.read_once_batch_bytes)
     if shm_enabled(opts.shared_memory):
         try:
@@ -422,6 +425,8 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
         if any(errs):
             raise_remote([e.encode("utf-8") if isinstance(e, str) and e else encode_status(None) for e in errs],
                          coord, plan_what, plan_error)
+        io = heads[0].get("io", 0)  # every rank cuts the units alike: by rank 0's request size
+        io = min(int(io), 1 << 30) if isinstance(io, int) and io > 0 else 0
         digests = {_layout_of(h) for h in heads}
         derived = bool(digest) and digests == {digest}
         me, world = coord.rank, coord.world_size
@@ -439,7 +444,7 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
                 if digests != {""}:  # some ranks sent only a digest, so the layouts differ: exchange the plans
                     plans = coord.all_gather(encode_plan(meta, pieces, extra))
                 wants = plans_to_wants(meta, plans, local)  # checked as arrays; only this host's chunks kept
-            sched = build_schedule(meta, wants, opts.verify_checksums, opts.read_once_batch_bytes, me)
+            sched = build_schedule(meta, wants, opts.verify_checksums, opts.read_once_batch_bytes, me, io)
             # hold this host's segments open before the next collective: a rank failing after it cannot
             # take its segment away from the ranks that copy out of it (the name goes, the memory stays)
             for r in local:
