@@ -8,7 +8,8 @@
 For a fraction ``fault_rate`` of requests (deterministic for a seed; the kinds in turn) it answers 503 SlowDown or 500
 InternalError without forwarding, resets the connection before forwarding, forwards and then resets
 (the request took effect, the answer is lost), or sends half of the answer's body and resets. The rest
-is forwarded unchanged. Bodies are read whole (``Content-Length`` or chunked) and forwarded with a
+is forwarded unchanged (``kinds=("stall",)``, never among the defaults: held unanswered instead). Bodies
+are read whole (``Content-Length`` or chunked) and forwarded with a
 ``Content-Length``. ``match(method, path)`` limits the faults to some requests (one part of an upload).
 """
 
@@ -100,6 +101,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if fault == "reset_before":
             return self._reset()
+        if fault == "stall":  # never answer (a hung server or a lost connection): until stop() or stall_seconds
+            px._stopped.wait(px.stall_seconds)
+            return self._reset()
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
         headers["Content-Length"] = str(len(body))
         conn = http.client.HTTPConnection(px.upstream_host, px.upstream_port, timeout=60)
@@ -154,6 +158,9 @@ class FaultProxy:
         self._faults = 0
         self.lock = threading.Lock()
         self.stats: Counter = Counter()
+        #: how long a "stall" fault holds the request without an answer (opt-in: ``kinds=("stall",)``)
+        self.stall_seconds = 30.0
+        self._stopped = threading.Event()
         #: keep a log of the forwarded requests (served at LOG_PATH)
         self.keep_log = False
         self.log: list[list] = []
@@ -183,5 +190,6 @@ class FaultProxy:
             self.stats.clear()
 
     def stop(self) -> None:
+        self._stopped.set()
         self._srv.shutdown()
         self._srv.server_close()
