@@ -29,7 +29,6 @@ from typing import Any
 from ..errors import StorageError
 from .retry import code_of, status_of
 
-
 #: the longest one request may take (s3fs client), waiting for a connection included: with
 #: :class:`~.retry.RetryPolicy`'s total, every call is bounded by about ``total_seconds + REQUEST_SECONDS``
 #: (``HYPERDCP_S3_REQUEST_SECONDS`` when the client is made)
