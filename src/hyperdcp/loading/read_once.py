@@ -62,6 +62,7 @@ from ..planning.read_once_local import pad_batches
 from ..planning.read_once_plans import plans_to_wants
 from ..planning.read_once_wants import grid_wants
 from ..sources.base import ChunkReader as DataFiles
+from .coalesced_reads import CoalescedReads
 from .reads import copy_piece, execute_local_reads, read_chunk
 
 # -- plan headers ---------------------------------------------------------------------------------
@@ -154,6 +155,7 @@ class _Exchange:
         self.me = coord.rank
         self.names = list(meta.tensors)
         self.transport: Transport = coord  # type: ignore[assignment] - read_once checked it
+        self.request_bytes = 0  # the storage's request size (0: local files): adjacent units coalesce up to it
 
     # reading (background thread) ---------------------------------------------------------------
     def _piece(self, u: Unit, n: Need) -> Piece:
@@ -173,13 +175,17 @@ class _Exchange:
         sends, recvs = _messages(batch, self.me, self.shm)
         mine = [u for u in batch if u.reader == self.me]
         bufs: dict[int, tuple[np.ndarray, ChunkRead]] = {}
+        files = self.files
+        if self.request_bytes and len(mine) > 1:  # object stores: adjacent units of a file in one request
+            files = CoalescedReads(files, [(r.file, r.begin + r.lo, r.nbytes) for r in
+                                           (self._chunk_read(u, []) for u in mine)], self.request_bytes)
 
         def one(u: Unit) -> None:
             own = [self._piece(u, n) for n in u.needs if n.rank == self.me]
             read = self._chunk_read(u, own)
             only_me = all(n.rank == self.me for n in u.needs)
             out = self._slot(self.me, k, u) if self.shm is not None and u.uid in self.shm.offset else None
-            buf, direct = read_chunk(self.files, self.meta, read, self.opts.verify_checksums, direct_ok=only_me, out=out)
+            buf, direct = read_chunk(files, self.meta, read, self.opts.verify_checksums, direct_ok=only_me, out=out)
             if not direct and out is None:  # from a slot, the main thread copies (see _copy_from_shm)
                 for p in own:
                     if p.dst is not None:
@@ -472,6 +478,7 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
             seg = None
         ex = _Exchange(files, meta, pieces, coord, opts, sched, shm, seg)
         ex.peer_fds = peer_fds
+        ex.request_bytes = io
         for u in sched.units:
             if u.bcast and any(n.rank == coord.rank for n in u.needs):
                 members = frozenset(u.group.tolist())
