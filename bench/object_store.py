@@ -18,6 +18,11 @@ and download throughput of ``--client-mib`` MiB and the peak extra memory.
 
     python bench/object_store.py --ranks 8 --mesh 4 2 --mib 256
     python bench/object_store.py --ranks 2 --mesh 1 2 --mib 32 --clients     # a quick look
+    python bench/object_store.py --libs hyperdcp,floor --profile /tmp/s3prof   # where the time goes
+
+``--profile DIR``: every rank runs each case under cProfile (DIR/<case>-<lib>-r<rank>.prof, main thread)
+and the proxy logs every request of the case (DIR/<case>-<lib>-requests.json: start, end, method, path,
+bytes in, bytes out; times relative to the case's start); a request timeline per case is printed.
 """
 
 from __future__ import annotations
@@ -42,6 +47,45 @@ def _stats(endpoint: str) -> dict:
     from tests.faults.http_proxy import STATS_PATH
 
     return json.loads(urllib.request.urlopen(endpoint + STATS_PATH, timeout=10).read())
+
+
+def _proxy_log(endpoint: str) -> list:
+    from tests.faults.http_proxy import LOG_PATH
+
+    return json.loads(urllib.request.urlopen(endpoint + LOG_PATH, timeout=10).read())
+
+
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _kind(method: str, path: str) -> str:
+    """A request's kind for the timeline: GET-range, PUT-part, POST-create, ..."""
+    q = path.partition("?")[2]
+    if method == "PUT":
+        return "PUT part" if "partNumber" in q else "PUT object"
+    if method == "POST":
+        return "POST create" if "uploads" in q else ("POST complete" if "uploadId" in q else "POST delete")
+    if method == "GET":
+        return "GET list" if ("list-type" in q or "uploads" in q or "delimiter" in q) else "GET object"
+    return method
+
+
+def timeline(log: list, t0: float) -> str:
+    """Per request kind: count, first start, last end (s after t0), summed duration, bytes."""
+    rows: dict[str, list] = {}
+    for start, end, method, path, nin, nout in log:
+        r = rows.setdefault(_kind(method, path), [0, 1e9, 0.0, 0.0, 0])
+        r[0] += 1
+        r[1] = min(r[1], start - t0)
+        r[2] = max(r[2], end - t0)
+        r[3] += end - start
+        r[4] += nin + nout
+    return "\n".join(f"    {k:<14}{n:>4} requests, {lo:6.2f}..{hi:6.2f} s, busy {busy:6.2f} s, {b / 2**20:7.1f} MiB"
+                     for k, (n, lo, hi, busy, b) in sorted(rows.items(), key=lambda kv: kv[1][1]))
 
 
 def _diff(a: dict, b: dict) -> dict:
@@ -70,7 +114,7 @@ def _floor_down(rank: int, part: int) -> None:
     st.close()
 
 
-def _rank(rank, world, args, endpoint):
+def _rank(rank, world, args, endpoint, pids=()):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -87,29 +131,70 @@ def _rank(rank, world, args, endpoint):
     part = args.part_mib << 20
     results = {}
 
+    libs = set(args.libs.split(","))
+
     def timed(key, fn, *a, **kw):
+        if key[1] not in libs:
+            return
         dist.barrier()
         before = _stats(endpoint) if rank == 0 else None
+        cpu0 = [_cpu(p) for p in pids] if rank == 0 else []
+        my0 = _cpu(os.getpid())
+        if rank == 0 and args.profile:
+            _proxy_log(endpoint)  # clear it
         peak_ok = base._reset_peak()
         rss0 = base._status_kib("VmRSS")
+        prof = None
+        if args.profile:
+            import cProfile
+
+            prof = cProfile.Profile()
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
+        if prof is not None:
+            prof.enable()
         fn(*a, **kw)
+        if prof is not None:
+            prof.disable()
+        t_done = time.perf_counter() - t0
+        my_cpu = _cpu(os.getpid()) - my0
         dist.barrier()
         wall = time.perf_counter() - t0
         peak = (base._status_kib("VmHWM") - rss0) * 1024 if peak_ok else -1
         server = _diff(before, _stats(endpoint)) if rank == 0 else None
-        results[key] = {"wall": wall, "peak_extra": peak, "server": server}
+        results[key] = {"wall": wall, "peak_extra": peak, "server": server, "done": t_done, "cpu": my_cpu,
+                        "cpu_others": [_cpu(p) - c for p, c in zip(pids, cpu0)]}
+        if args.profile:
+            tag = f"{key[0].replace(' ', '_')}-{key[1]}"
+            prof.dump_stats(os.path.join(args.profile, f"{tag}-r{rank}.prof"))
+            if rank == 0:
+                log = _proxy_log(endpoint)
+                with open(os.path.join(args.profile, f"{tag}-requests.json"), "w") as f:
+                    json.dump([[a - wall0, b - wall0, *rest] for a, b, *rest in log], f)
+                results[key]["timeline"] = timeline(log, wall0)
 
     src = base._state(hsdp, [Replicate(), Shard(0)], shapes, fill=True)
-    hyperdcp.save({"warm": src[next(iter(src))]}, "s3://bench/warm")  # client sessions outside the timings
+    # client sessions outside the timings, on every rank (a rank with nothing to write in a warm-up save
+    # never makes its client; it would make it inside the timed save, 0.3-2 s on a loaded machine)
+    from hyperdcp.storage.object_store import ObjectStorage
+
+    ObjectStorage("s3://bench/warm").client  # noqa: B018 - made and cached for this process
+    warm = {"warm": src[next(iter(src))]}
+    hyperdcp.save(warm, "s3://bench/warm")
+    hyperdcp.load(warm, "s3://bench/warm")  # and the load path's first imports
+    if "torch" in libs:  # every rank writes its own file in torch's save: its s3fs session is made
+        dcp.save(warm, storage_writer=FsspecWriter("s3://bench/warm-torch"))
+        dcp.load(warm, storage_reader=FsspecReader("s3://bench/warm-torch"))
     timed(("save", "hyperdcp"), hyperdcp.save, src, "s3://bench/hyperdcp")
     timed(("save", "torch"), dcp.save, src, storage_writer=FsspecWriter("s3://bench/torch"))
     timed(("save", "floor"), _floor_up, rank, unique // world, part)
     del src
     cases = {"same_layout": (hsdp, [Replicate(), Shard(0)]), "1d_shard1": (flat, [Shard(1)])}
+    cases = {k: v for k, v in cases.items() if k in args.loads.split(",")}
     for case, (mesh, placements) in cases.items():
         for lib in ("hyperdcp", "torch"):
+            if lib not in libs:
+                continue
             state = base._state(mesh, placements, shapes, fill=False)
             if lib == "hyperdcp":
                 timed((f"load {case}", lib), hyperdcp.load, state, "s3://bench/hyperdcp")
@@ -164,7 +249,12 @@ def main() -> None:
     ap.add_argument("--clients", action="store_true", help="also compare the s3fs and obstore clients")
     ap.add_argument("--client-mib", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--libs", default="hyperdcp,torch,floor", help="which of hyperdcp,torch,floor to run")
+    ap.add_argument("--loads", default="same_layout,1d_shard1", help="which loads to run")
+    ap.add_argument("--profile", default=None, metavar="DIR", help="cProfile every rank and log every request into DIR")
     args = ap.parse_args()
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     base.set_rows(args)
     from tests.dist import run_ranks
     from tests.faults.http_proxy import FaultProxy
@@ -172,12 +262,14 @@ def main() -> None:
 
     server = S3Server.start()
     proxy = FaultProxy("127.0.0.1", server.port).start()
+    proxy.keep_log = bool(args.profile)
     env = {**server.env_for(proxy.endpoint), "HYPERDCP_S3_PART_BYTES": str(args.part_mib << 20)}
     try:
         server.make_bucket("bench")
         load = os.getloadavg()
         t = time.perf_counter()
-        res = run_ranks(args.ranks, _rank, args, proxy.endpoint, timeout=args.timeout, env=env)
+        res = run_ranks(args.ranks, _rank, args, proxy.endpoint, (server.proc.pid, os.getpid()), timeout=args.timeout,
+                        env=env)
         unique = args.tensors * args.rows * args.cols * 4
         print(f"{args.ranks} ranks, HSDP mesh {tuple(args.mesh)}, {args.tensors} x ({args.rows}, {args.cols}) float32 = "
               f"{unique / 2**20:.0f} MiB unique; moto {server.proc.args[2:]} behind a counting proxy on 127.0.0.1; "
@@ -191,6 +283,13 @@ def main() -> None:
             peak = max(r["peak_extra"] for r in rows) / 2**20
             print(f"{key[0]:<22}{key[1]:<10}{wall:>8.2f}{unique / wall / 1e6:>8.1f}{srv['up'] / unique:>10.3f}"
                   f"{srv['down'] / unique:>12.3f}{srv['requests']:>9d}{peak:>21.0f}")
+            if args.profile:
+                moto, px = rows[0]["cpu_others"]
+                print(f"    CPU s: ranks {sum(r['cpu'] for r in rows):.2f} (max {max(r['cpu'] for r in rows):.2f}), "
+                      f"moto {moto:.2f}, proxy {px:.2f}")  # noqa: E501
+            if rows[0].get("timeline"):
+                done = sorted(r["done"] for r in rows)
+                print(f"    ranks returned after {done[0]:.2f}..{done[-1]:.2f} s\n" + rows[0]["timeline"])
         if args.clients:
             for kind, r in compare_clients(args, env).items():
                 print(f"client {kind:<8} {args.client_mib} MiB, one process: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float)

@@ -8,6 +8,8 @@ upload is left behind.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -83,3 +85,22 @@ def test_a_load_that_keeps_failing_names_the_object(s3, proxy, monkeypatch):
     proxy.kinds = ("503",)
     with pytest.raises(hyperdcp.StorageError, match=r"s3://.*/ck/r00000-\w+-00\.safetensors.*2 attempt"):
         _check(url, 1)
+
+
+def test_a_request_the_server_never_answers_fails_the_save_within_a_bounded_time(s3, proxy, monkeypatch):
+    root = f"s3://{s3.bucket}/run"
+    hyperdcp.save(_state(1), f"{root}/step-1")
+    monkeypatch.setenv("HYPERDCP_S3_RETRIES", "2")
+    monkeypatch.setenv("HYPERDCP_S3_REQUEST_SECONDS", "2")  # per attempt, waiting for a connection included
+    proxy.match = lambda method, path: method == "PUT" and "partNumber=2" in path
+    proxy.kinds, proxy.fault_rate = ("stall",), 1.0  # the server holds part 2 and never answers
+    proxy.stall_seconds = 120
+    t0 = time.monotonic()
+    with pytest.raises(hyperdcp.StorageError, match=r"part 2 of data file s3://.*/step-2/r00000-\w+-00\.safetensors.*"
+                                                    r"2 attempt.*no answer within 2 s"):
+        hyperdcp.save(_state(2), f"{root}/step-2")
+    assert time.monotonic() - t0 < 30  # two attempts of 2 s and the abort; never the 120 s stall
+    proxy.fault_rate = 0.0
+    assert s3.boto().list_multipart_uploads(Bucket=s3.bucket).get("Uploads") is None  # aborted
+    assert hyperdcp.list_checkpoints(root) == [f"{root}/step-1"]
+    _check(f"{root}/step-1", 1)

@@ -207,3 +207,29 @@ def test_format_2_checkpoints_are_listed_and_restored_by_latest_and_the_manager(
     _same(got, _state(7, n=64 << 10))
     assert hyperdcp.verify_checkpoint(f"{root}/step-7").ok
     assert hyperdcp.read_metadata(f"{root}/step-7").format_version == 2
+
+
+def test_adjacent_reads_of_one_file_are_one_request_with_the_same_bytes(s3):
+    from hyperdcp.loading.coalesced_reads import CoalescedReads
+    from hyperdcp.sources.remote import RemoteFiles, load_remote_metadata
+
+    url = f"s3://{s3.bucket}/ck"
+    a, b = np.arange(300_000, dtype=np.float32), np.arange(200_000, dtype=np.int64)
+    hyperdcp.save({"a": a, "b": b}, url)  # one data file: a's chunk then b's, back to back
+    meta = load_remote_metadata(url)
+    spans = []
+    for name in ("a", "b"):
+        ch = meta.tensors[name].chunks
+        spans.append((int(ch.file[0]), int(ch.begin[0]), int(ch.end[0] - ch.begin[0])))
+    assert spans[0][0] == spans[1][0] and spans[0][1] + spans[0][2] == spans[1][1]
+    files = RemoteFiles(url, meta)
+    files.fd(spans[0][0])  # the file's size and header check: one request of its own
+    before = files.requests
+    reads = CoalescedReads(files, spans, 16 << 20)
+    got = [np.empty(n, np.uint8) for _, _, n in spans]
+    for (f, off, _), out in zip(reversed(spans), reversed(got)):  # in any order
+        reads.read_into(f, off, out)
+    assert reads.runs == 1 and files.requests - before == 1
+    assert got[0].view(np.float32).tolist() == a.tolist() and got[1].view(np.int64).tolist() == b.tolist()
+    assert files.bytes_read == spans[0][2] + spans[1][2]  # the same bytes, once
+    files.close()

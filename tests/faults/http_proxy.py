@@ -8,7 +8,8 @@
 For a fraction ``fault_rate`` of requests (deterministic for a seed; the kinds in turn) it answers 503 SlowDown or 500
 InternalError without forwarding, resets the connection before forwarding, forwards and then resets
 (the request took effect, the answer is lost), or sends half of the answer's body and resets. The rest
-is forwarded unchanged. Bodies are read whole (``Content-Length`` or chunked) and forwarded with a
+is forwarded unchanged (``kinds=("stall",)``, never among the defaults: held unanswered instead). Bodies
+are read whole (``Content-Length`` or chunked) and forwarded with a
 ``Content-Length``. ``match(method, path)`` limits the faults to some requests (one part of an upload).
 """
 
@@ -20,11 +21,15 @@ import random
 import socket
 import struct
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 #: GET this path on the proxy for its counters as JSON
 STATS_PATH = "/__proxy_stats"
+#: GET this path for the request log as JSON (and clear it): [start, end, method, path, bytes in, bytes out],
+#: times from time.time(); kept only while ``FaultProxy.keep_log`` is set (benchmark profiles)
+LOG_PATH = "/__proxy_log"
 KINDS = ("503", "500", "reset_before", "reset_after", "cut_body")
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "trailer", "upgrade"}
 
@@ -69,6 +74,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(data)
             return
+        if self.path == LOG_PATH:
+            with px.lock:
+                data, px.log = json.dumps(px.log).encode(), []
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        t_start = time.time()
         fault = px.pick(self.command, self.path)
         with px.lock:
             px.stats["requests"] += 1
@@ -87,6 +101,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if fault == "reset_before":
             return self._reset()
+        if fault == "stall":  # never answer (a hung server or a lost connection): until stop() or stall_seconds
+            px._stopped.wait(px.stall_seconds)
+            return self._reset()
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
         headers["Content-Length"] = str(len(body))
         conn = http.client.HTTPConnection(px.upstream_host, px.upstream_port, timeout=60)
@@ -98,6 +115,8 @@ class _Handler(BaseHTTPRequestHandler):
             conn.close()
         with px.lock:
             px.stats[f"bytes_out_{self.command}"] += len(data)
+            if px.keep_log:
+                px.log.append([t_start, time.time(), self.command, self.path, len(body), len(data)])
         if fault == "reset_after" or (fault == "cut_body" and len(data) < 2):  # nothing to cut: lose the answer
             return self._reset()
         self.send_response(resp.status)
@@ -139,6 +158,12 @@ class FaultProxy:
         self._faults = 0
         self.lock = threading.Lock()
         self.stats: Counter = Counter()
+        #: how long a "stall" fault holds the request without an answer (opt-in: ``kinds=("stall",)``)
+        self.stall_seconds = 30.0
+        self._stopped = threading.Event()
+        #: keep a log of the forwarded requests (served at LOG_PATH)
+        self.keep_log = False
+        self.log: list[list] = []
         self._srv = _Server(("127.0.0.1", 0), _Handler)
         self._srv.proxy = self
         self.port = self._srv.server_address[1]
@@ -165,5 +190,6 @@ class FaultProxy:
             self.stats.clear()
 
     def stop(self) -> None:
+        self._stopped.set()
         self._srv.shutdown()
         self._srv.server_close()

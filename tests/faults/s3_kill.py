@@ -16,6 +16,7 @@ Prints one line per trial and a summary; exits non-zero on any loss.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import multiprocessing as mp
 import os
 import random
@@ -34,9 +35,25 @@ def expected(step: int) -> np.ndarray:
     return np.random.default_rng(step).standard_normal((ROWS, COLS), dtype=np.float32)
 
 
+#: the watchdogs' files (kept open for faulthandler), one per rank of this process
+_DUMPS: list = []
+
+
+def _watchdog(rank: int) -> None:
+    """A rank still alive ``HYPERDCP_KILL_DUMP`` seconds after it started writes every thread's stack to
+    ``$HYPERDCP_KILL_DUMP_DIR/rank-<rank>.txt`` (and goes on): a void trial then tells where it hung."""
+    where = os.environ.get("HYPERDCP_KILL_DUMP_DIR")
+    if where:
+        f = open(os.path.join(where, f"rank-{rank}.txt"), "w")  # noqa: SIM115 - open for the process's life
+        _DUMPS.append(f)
+        faulthandler.dump_traceback_later(float(os.environ.get("HYPERDCP_KILL_DUMP", "100")), exit=False, file=f)
+
+
 def _rank(rank: int, world: int, root: str, delay: float) -> str:
     """One rank of a trial (inside tests.dist._entry when world > 1)."""
     import hyperdcp
+
+    _watchdog(rank)
 
     def state(step: int):
         full = expected(step)
@@ -124,6 +141,9 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--max-delay", type=float, default=1.2, help="kill within this many seconds of the save start")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--delay", type=float, default=None, help="kill this many seconds into every trial's save")
+    ap.add_argument("--first", type=int, default=0, help="start at this trial (its seeded delay as in a full run)")
+    ap.add_argument("--timeout", type=float, default=240, help="a trial with a rank alive after this is void")
     args = ap.parse_args(argv)
     from tests.s3_server import S3Server
 
@@ -136,12 +156,24 @@ def main(argv=None) -> int:
         os.environ.update(server.env)
         os.environ["HYPERDCP_S3_PART_BYTES"] = str(5 << 20)  # multipart uploads, killed between parts
         t0 = time.monotonic()
-        for i in range(args.trials):
+        for i in range(args.first + args.trials):
             root, delay = f"s3://kill-campaign/trial-{i}", rng.uniform(0.05, args.max_delay)
-            codes = run_trial({**server.env, "HYPERDCP_S3_PART_BYTES": str(5 << 20)}, root, args.world, delay)
-            if None in codes:  # a rank outlived the trial's timeout (an overloaded machine): no verdict
+            if i < args.first:
+                continue
+            delay = delay if args.delay is None else args.delay
+            dumps = tempfile.mkdtemp(prefix="hyperdcp-kill-")
+            env = {**server.env, "HYPERDCP_S3_PART_BYTES": str(5 << 20), "HYPERDCP_KILL_DUMP_DIR": dumps,
+                   "HYPERDCP_KILL_DUMP": str(max(1.0, args.timeout - 20))}
+            codes = run_trial(env, root, args.world, delay, args.timeout)
+            if None in codes:  # a rank outlived the trial's timeout: no verdict; where it hung, from its watchdog
                 counts["void"] = counts.get("void", 0) + 1
-                print(f"trial {i:2d}: VOID, a rank did not finish within the timeout: exit codes {codes}", flush=True)
+                print(f"trial {i:2d}: VOID, kill after {delay:.2f} s, a rank did not finish within {args.timeout:g} s: "
+                      f"exit codes {codes}", flush=True)
+                for r, code in enumerate(codes):
+                    path = os.path.join(dumps, f"rank-{r}.txt")
+                    if code is None and os.path.exists(path):
+                        print(f"--- rank {r}'s threads {args.timeout - 20:g} s into the trial:\n" + open(path).read(),
+                              flush=True)
                 continue
             try:
                 outcome = check(root)

@@ -62,6 +62,7 @@ from ..planning.read_once_local import pad_batches
 from ..planning.read_once_plans import plans_to_wants
 from ..planning.read_once_wants import grid_wants
 from ..sources.base import ChunkReader as DataFiles
+from .coalesced_reads import CoalescedReads
 from .reads import copy_piece, execute_local_reads, read_chunk
 
 # -- plan headers ---------------------------------------------------------------------------------
@@ -154,6 +155,7 @@ class _Exchange:
         self.me = coord.rank
         self.names = list(meta.tensors)
         self.transport: Transport = coord  # type: ignore[assignment] - read_once checked it
+        self.request_bytes = 0  # the storage's request size (0: local files): adjacent units coalesce up to it
 
     # reading (background thread) ---------------------------------------------------------------
     def _piece(self, u: Unit, n: Need) -> Piece:
@@ -173,13 +175,17 @@ class _Exchange:
         sends, recvs = _messages(batch, self.me, self.shm)
         mine = [u for u in batch if u.reader == self.me]
         bufs: dict[int, tuple[np.ndarray, ChunkRead]] = {}
+        files = self.files
+        if self.request_bytes and len(mine) > 1:  # object stores: adjacent units of a file in one request
+            files = CoalescedReads(files, [(r.file, r.begin + r.lo, r.nbytes) for r in
+                                           (self._chunk_read(u, []) for u in mine)], self.request_bytes)
 
         def one(u: Unit) -> None:
             own = [self._piece(u, n) for n in u.needs if n.rank == self.me]
             read = self._chunk_read(u, own)
             only_me = all(n.rank == self.me for n in u.needs)
             out = self._slot(self.me, k, u) if self.shm is not None and u.uid in self.shm.offset else None
-            buf, direct = read_chunk(self.files, self.meta, read, self.opts.verify_checksums, direct_ok=only_me, out=out)
+            buf, direct = read_chunk(files, self.meta, read, self.opts.verify_checksums, direct_ok=only_me, out=out)
             if not direct and out is None:  # from a slot, the main thread copies (see _copy_from_shm)
                 for p in own:
                     if p.dst is not None:
@@ -397,7 +403,10 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
         check_all(coord, plan_what, plan_error)
         execute_local_reads(files, meta, group_reads(meta, pieces, opts.verify_checksums), opts)
         return None
-    seg, extra = None, {"host": host_key(opts.host_id or ""), "shm": "", "shm_free": 0}
+    # the storage's preferred request size (object stores: one ranged GET); rank 0's is used everywhere
+    req = getattr(getattr(files, "storage", None), "max_request_bytes", 0)
+    seg, extra = None, {"host": host_key(opts.host_id or ""), "shm": "", "shm_free": 0,
+                        "io": req if isinstance(req, int) and req > 0 else 0}
     size = presize(meta, opts.read_once_batch_bytes)
     if shm_enabled(opts.shared_memory):
         try:
@@ -422,6 +431,8 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
         if any(errs):
             raise_remote([e.encode("utf-8") if isinstance(e, str) and e else encode_status(None) for e in errs],
                          coord, plan_what, plan_error)
+        io = heads[0].get("io", 0)  # every rank cuts the units alike: by rank 0's request size
+        io = min(int(io), 1 << 30) if isinstance(io, int) and io > 0 else 0
         digests = {_layout_of(h) for h in heads}
         derived = bool(digest) and digests == {digest}
         me, world = coord.rank, coord.world_size
@@ -439,7 +450,7 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
                 if digests != {""}:  # some ranks sent only a digest, so the layouts differ: exchange the plans
                     plans = coord.all_gather(encode_plan(meta, pieces, extra))
                 wants = plans_to_wants(meta, plans, local)  # checked as arrays; only this host's chunks kept
-            sched = build_schedule(meta, wants, opts.verify_checksums, opts.read_once_batch_bytes, me)
+            sched = build_schedule(meta, wants, opts.verify_checksums, opts.read_once_batch_bytes, me, io)
             # hold this host's segments open before the next collective: a rank failing after it cannot
             # take its segment away from the ranks that copy out of it (the name goes, the memory stays)
             for r in local:
@@ -467,6 +478,7 @@ def read_once(files: DataFiles, meta: Metadata, pieces: list[Piece], coord: Coor
             seg = None
         ex = _Exchange(files, meta, pieces, coord, opts, sched, shm, seg)
         ex.peer_fds = peer_fds
+        ex.request_bytes = io
         for u in sched.units:
             if u.bcast and any(n.rank == coord.rank for n in u.needs):
                 members = frozenset(u.group.tolist())

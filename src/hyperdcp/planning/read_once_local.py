@@ -35,11 +35,16 @@ from .read_once import _MIN_ROUND, _MIN_UNIT, _ROUNDS, _UNITS_PER_ROUND, Need, S
 from .read_once_wants import Wants
 
 
-def unit_sizes(total: int, world: int, batch_bytes: int) -> tuple[int, int, int]:
-    """(batch bound, bytes per reader and round, bytes per unit), as the global schedule sets them."""
+def unit_sizes(total: int, world: int, batch_bytes: int, request_bytes: int = 0) -> tuple[int, int, int]:
+    """(batch bound, bytes per reader and round, bytes per unit), as the global schedule sets them.
+
+    ``request_bytes``: the storage's preferred request (object stores: one ranged GET; 0 for local
+    files): units are at least that big, and a round holds ``_UNITS_PER_ROUND`` of them, so a reader
+    keeps that many requests in flight and pays one collective per round, not per small unit."""
     B = max(1, int(batch_bytes))
-    T = min(B, max(_MIN_ROUND, -(-total // (max(1, world) * _ROUNDS))))
-    U = min(B, max(_MIN_UNIT, T // _UNITS_PER_ROUND))
+    R = max(0, int(request_bytes))
+    T = min(B, max(_MIN_ROUND, R * _UNITS_PER_ROUND, -(-total // (max(1, world) * _ROUNDS))))
+    U = min(B, max(_MIN_UNIT, R, T // _UNITS_PER_ROUND))
     return B, T, U
 
 
@@ -158,11 +163,13 @@ def _rounds(meta: Metadata, us: list[Unit], subs: dict[int, list], T: int, B: in
     return k
 
 
-def local_schedule(meta: Metadata, wants: Wants, verify: bool, batch_bytes: int, me: int | None = None) -> Schedule:
+def local_schedule(meta: Metadata, wants: Wants, verify: bool, batch_bytes: int, me: int | None = None,
+                   request_bytes: int = 0) -> Schedule:
     """The part of the read-once schedule for the set ``wants.ranks`` (``me``: the rank building it,
     which keeps every need of the units it reads). With ``wants.ranks`` None: the global schedule by
-    the same rules (the reference the local parts are checked against)."""
-    B, T, U = unit_sizes(wants.total, wants.world, batch_bytes)
+    the same rules (the reference the local parts are checked against). ``request_bytes``: see
+    :func:`unit_sizes` (every rank must pass the same)."""
+    B, T, U = unit_sizes(wants.total, wants.world, batch_bytes, request_bytes)
     units = _units(meta, wants, verify, U)
     groups = _assign_readers(units)
     subs = {id(u): s for u, s in units}

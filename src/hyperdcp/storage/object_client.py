@@ -19,6 +19,7 @@ hyperdcp errors naming the object.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -27,6 +28,11 @@ from typing import Any
 
 from ..errors import StorageError
 from .retry import code_of, status_of
+
+#: the longest one request may take (s3fs client), waiting for a connection included: with
+#: :class:`~.retry.RetryPolicy`'s total, every call is bounded by about ``total_seconds + REQUEST_SECONDS``
+#: (``HYPERDCP_S3_REQUEST_SECONDS`` when the client is made)
+REQUEST_SECONDS = 120.0
 
 
 class ObjectExists(Exception):
@@ -110,7 +116,7 @@ class S3fsClient(ObjectClient):
 
     name = "s3fs"
 
-    def __init__(self, bucket: str, options: dict):
+    def __init__(self, bucket: str, options: dict, request_seconds: float | None = None):
         try:
             import s3fs
             from fsspec.asyn import sync
@@ -121,12 +127,21 @@ class S3fsClient(ObjectClient):
         ck.setdefault("retries", {"max_attempts": 1, "mode": "standard"})  # hyperdcp's RetryPolicy retries
         ck.setdefault("max_pool_connections", 64)
         self.bucket = bucket
+        #: seconds one request may take in all (waiting for a pooled connection included, which aiobotocore
+        #: does not bound); past it the request is cancelled and raises TimeoutError (retried)
+        self.request_seconds = float(os.environ.get("HYPERDCP_S3_REQUEST_SECONDS", REQUEST_SECONDS)
+                                     if request_seconds is None else request_seconds)
         self.fs = s3fs.S3FileSystem(config_kwargs=ck, skip_instance_cache=True, **opts)
         self._sync = sync
         self._s3 = sync(self.fs.loop, self.fs.set_session)
 
     def _run(self, coro) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.fs.loop).result()
+        fut = asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
+        try:
+            return fut.result(timeout=self.request_seconds)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()  # the request's task is cancelled in the loop: its connection goes back to the pool
+            raise TimeoutError(f"no answer within {self.request_seconds:g} s (HYPERDCP_S3_REQUEST_SECONDS)") from None
 
     @staticmethod
     def _missing(e: BaseException) -> bool:
@@ -306,7 +321,7 @@ CLIENTS = {"s3fs": S3fsClient, "obstore": ObstoreClient}
 _CACHE: dict[tuple, ObjectClient] = {}
 _CACHE_LOCK = threading.Lock()
 _ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-        "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE")
+        "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE", "HYPERDCP_S3_REQUEST_SECONDS")
 
 
 def make_client(url: str, storage_options: dict | None = None) -> ObjectClient:

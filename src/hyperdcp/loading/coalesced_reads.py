@@ -1,0 +1,83 @@
+"""One request for adjacent reads of one file: a read-once batch's units, coalesced for object stores.
+
+A reader's units in a batch are often back to back in one data file (consecutive chunks of a rank's
+file). On an object store each read is a ranged GET with its own latency and cost (and a server such as
+moto copies the whole object per GET), so :class:`CoalescedReads` wraps the batch's reader: units whose
+byte ranges touch, in one file, up to ``limit`` bytes together, are fetched by the first of them to read
+as one ``read_into`` into a run buffer, and each unit then copies its range out of it. Exactly the same
+bytes are read (read amplification unchanged); the run buffer is dropped once every unit took its part,
+so memory grows by at most one run (``limit``) per reading thread.
+
+    files = CoalescedReads(files, [(file, offset, nbytes), ...], limit)   # this batch's reads
+    read_chunk(files, ...)                                                # as with ``files`` itself
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+
+class _Run:
+    def __init__(self, fidx: int, start: int, end: int, count: int):
+        self.fidx, self.start, self.end, self.left = fidx, start, end, count
+        self.data: np.ndarray | None = None
+        self.lock = threading.Lock()
+
+
+class CoalescedReads:
+    """``files`` whose reads of the listed spans come from one request per run of adjacent spans."""
+
+    def __init__(self, files: Any, spans: Sequence[tuple[int, int, int]], limit: int):
+        self.files = files
+        self._runs: dict[tuple[int, int, int], _Run] = {}
+        cur: list[tuple[int, int, int]] = []
+
+        def flush() -> None:
+            if len(cur) > 1:
+                run = _Run(cur[0][0], cur[0][1], cur[-1][1] + cur[-1][2], len(cur))
+                for s in cur:
+                    self._runs[s] = run
+            cur.clear()
+
+        for s in sorted(set(spans)):
+            f, off, n = s
+            if cur and (f != cur[-1][0] or off != cur[-1][1] + cur[-1][2] or off + n - cur[0][1] > limit):
+                flush()
+            cur.append(s)
+        flush()
+
+    @property
+    def runs(self) -> int:
+        """Spans read together (for tests and profiles)."""
+        return len({id(r) for r in self._runs.values()})
+
+    def fd(self, fidx: int) -> int:
+        return self.files.fd(fidx)
+
+    def path(self, fidx: int) -> str:
+        return self.files.path(fidx)
+
+    def read_into(self, fidx: int, offset: int, out, what: str = "") -> None:
+        mv = memoryview(out).cast("B")
+        run = self._runs.get((fidx, offset, len(mv)))
+        if run is None:
+            return self.files.read_into(fidx, offset, out, what)
+        with run.lock:
+            if run.data is None:
+                data = np.empty(run.end - run.start, dtype=np.uint8)
+                self.files.read_into(fidx, run.start, data, what)  # raises: the next unit tries again
+                run.data = data
+            data = run.data
+            run.left -= 1
+            if run.left == 0:
+                run.data = None
+        mv[:] = memoryview(data)[offset - run.start : offset - run.start + len(mv)]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.files, name)
+
+
+__all__ = ["CoalescedReads"]
