@@ -24,6 +24,7 @@ def proxy(s3, monkeypatch):
     px = FaultProxy("127.0.0.1", s3.port).start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", px.endpoint)
     monkeypatch.setenv("HYPERDCP_S3_PART_BYTES", str(5 * MiB))
+    monkeypatch.setenv("HYPERDCP_S3_SINGLE_PUT_BYTES", "0")  # multipart from the second part on
     yield px
     px.stop()
 

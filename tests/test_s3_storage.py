@@ -46,7 +46,7 @@ def test_save_load_round_trip_with_multipart_and_ranged_reads(s3):
     ranged GETs; the objects on the server are exactly the record and the data file it lists."""
     url = f"s3://{s3.bucket}/run/step-1"
     sd = _state(1, n=12 * MiB)
-    res = hyperdcp.save(sd, url, storage_options={"part_bytes": 5 * MiB})
+    res = hyperdcp.save(sd, url, storage_options={"part_bytes": 5 * MiB, "single_put_bytes": 0})
     assert res.path == url and res.metadata.data_file_bytes == res.bytes_written
     record = json.loads(s3.boto().get_object(Bucket=s3.bucket, Key="run/step-1/hyperdcp.json")["Body"].read())
     assert _keys(s3) == sorted(["run/step-1/hyperdcp.json"] + [f"run/step-1/{f['name']}" for f in record["files"]])
@@ -57,6 +57,22 @@ def test_save_load_round_trip_with_multipart_and_ranged_reads(s3):
     _same(sd, back)
     tensor_bytes = sum(v.nbytes for v in sd["model"].values())
     assert tensor_bytes <= out.bytes_read <= res.metadata.data_file_bytes  # each byte read once
+    assert s3.boto().list_multipart_uploads(Bucket=s3.bucket).get("Uploads") is None
+
+
+def test_a_file_that_fits_the_upload_window_goes_up_in_one_put(s3):
+    """With 5 MiB parts and 4 in flight, a 12 MiB data file is within ``single_put_bytes`` (4 x 5 MiB by
+    default): one PUT (its ETag has no -N part count), no multipart upload; a file over it is multipart."""
+    sd = _state(3, n=12 * MiB)
+    for name, opts, parts in (("small", {}, None), ("big", {"single_put_bytes": 10 * MiB}, "-2")):
+        url = f"s3://{s3.bucket}/{name}"
+        hyperdcp.save(sd, url, storage_options={"part_bytes": 5 * MiB, **opts})
+        record = json.loads(s3.boto().get_object(Bucket=s3.bucket, Key=f"{name}/hyperdcp.json")["Body"].read())
+        etag = s3.boto().head_object(Bucket=s3.bucket, Key=f"{name}/{record['files'][0]['name']}")["ETag"].strip('"')
+        assert ("-" in etag) == (parts is not None) and (parts is None or etag.endswith(parts)), (name, etag)
+        back = _zeros(sd)
+        hyperdcp.load(back, url)
+        _same(sd, back)
     assert s3.boto().list_multipart_uploads(Bucket=s3.bucket).get("Uploads") is None
 
 

@@ -155,6 +155,7 @@ def main(argv=None) -> int:
         server.make_bucket("kill-campaign")
         os.environ.update(server.env)
         os.environ["HYPERDCP_S3_PART_BYTES"] = str(5 << 20)  # multipart uploads, killed between parts
+        os.environ["HYPERDCP_S3_SINGLE_PUT_BYTES"] = "0"
         t0 = time.monotonic()
         for i in range(args.first + args.trials):
             root, delay = f"s3://kill-campaign/trial-{i}", rng.uniform(0.05, args.max_delay)
@@ -162,7 +163,8 @@ def main(argv=None) -> int:
                 continue
             delay = delay if args.delay is None else args.delay
             dumps = tempfile.mkdtemp(prefix="hyperdcp-kill-")
-            env = {**server.env, "HYPERDCP_S3_PART_BYTES": str(5 << 20), "HYPERDCP_KILL_DUMP_DIR": dumps,
+            env = {**server.env, "HYPERDCP_S3_PART_BYTES": str(5 << 20), "HYPERDCP_S3_SINGLE_PUT_BYTES": "0",
+                   "HYPERDCP_KILL_DUMP_DIR": dumps,
                    "HYPERDCP_KILL_DUMP": str(max(1.0, args.timeout - 20))}
             codes = run_trial(env, root, args.world, delay, args.timeout)
             if None in codes:  # a rank outlived the trial's timeout: no verdict; where it hung, from its watchdog

@@ -8,8 +8,10 @@ with CheckpointExistsError); only then are the objects of the replaced save dele
 iff its record is there and valid, so a reader sees the old checkpoint or the new one, never a mix, and
 a save killed at any point leaves nothing that lists or loads.
 
-Large files are multipart uploads whose parts (``part_bytes``) go up ``concurrency`` at a time, so a
-writer holds at most ``(concurrency + 1) * part_bytes + MIN_PART`` bytes; an upload that fails is aborted. Reads
+An object of at most ``single_put_bytes`` goes up as one PUT; larger ones are multipart uploads whose parts
+(``part_bytes``) go up ``concurrency`` at a time, so a writer holds at most about
+``max(single_put_bytes, (concurrency + 1) * part_bytes + MIN_PART) + part_bytes`` bytes; an upload that
+fails is aborted. Reads
 are ranged GETs of at most ``max_request_bytes``, issued in parallel. Every request is retried by
 :class:`~.retry.RetryPolicy` (throttling, 5xx, resets) within a bounded total time.
 """
@@ -53,7 +55,7 @@ def _wrap(action: str, url: str, e: BaseException) -> StorageError:
 
 
 class _Upload(FileWriter):
-    """One object being written: one PUT when it fits a part, else a parallel multipart upload."""
+    """One object being written: one PUT up to ``single_put_bytes``, else a parallel multipart upload."""
 
     def __init__(self, files: "ObjectFiles", name: str, what: str):
         st = files.storage
@@ -73,13 +75,18 @@ class _Upload(FileWriter):
     def write(self, data) -> None:
         mv = memoryview(data).cast("B")
         self._size += len(mv)
-        pb = self.storage.part_bytes
+        pb, single = self.storage.part_bytes, self.storage.single_put_bytes
         while len(mv):
-            take = min(pb + MIN_PART - len(self._buf), len(mv))
+            started = self._upload_id is not None or self._stream is not None
+            cap = pb + MIN_PART if started else single + 1  # a file of at most ``single`` bytes: one PUT at close
+            take = min(cap - len(self._buf), len(mv))
             self._buf += mv[:take]
             mv = mv[take:]
-            if len(self._buf) >= pb + MIN_PART:
+            if started and len(self._buf) >= pb + MIN_PART:
                 self._send_part(pb)
+            elif not started and len(self._buf) > single:  # too big for one PUT: a multipart upload from here
+                while len(self._buf) >= pb + MIN_PART:
+                    self._send_part(pb)
 
     def _send_part(self, n: int | None = None) -> None:
         """Send the first ``n`` buffered bytes (all by default) as the next part."""
@@ -115,7 +122,7 @@ class _Upload(FileWriter):
                 if self._buf:
                     self._stream.write(bytes(self._buf))
                 self._stream.close()
-            elif self._upload_id is None and len(self._buf) <= self.storage.part_bytes + MIN_PART:
+            elif self._upload_id is None and len(self._buf) <= self.storage.single_put_bytes:
                 data = bytes(self._buf)
                 self._call(lambda: client.put(self.key, data), "uploading")
             else:
@@ -228,8 +235,10 @@ class ObjectStorage(Storage):
     """The checkpoint at ``url`` (``s3://bucket/prefix``) on an S3-compatible store; see the module docstring.
 
     ``storage_options``: the client's keyword arguments (s3fs: ``endpoint_url``, ``key``, ``secret``,
-    ``client_kwargs``...; ``"client": "obstore"`` picks the other client), plus ``part_bytes`` and
-    ``concurrency`` (defaults from ``HYPERDCP_S3_PART_BYTES`` / ``HYPERDCP_S3_CONCURRENCY``). Safe to use
+    ``client_kwargs``...; ``"client": "obstore"`` picks the other client), plus ``part_bytes``,
+    ``concurrency`` and ``single_put_bytes`` (defaults from ``HYPERDCP_S3_PART_BYTES`` /
+    ``HYPERDCP_S3_CONCURRENCY`` / ``HYPERDCP_S3_SINGLE_PUT_BYTES``; the last defaults to ``concurrency *
+    part_bytes``, and 0 means one PUT only for what fits one part). Safe to use
     from several threads.
     """
 
@@ -247,6 +256,12 @@ class ObjectStorage(Storage):
         self.part_bytes = max(5 << 20, int(part_bytes))
         self.max_request_bytes = self.part_bytes
         self.concurrency = max(1, int(concurrency))
+        # objects up to single_put_bytes go up as one PUT (default: the bytes a multipart upload holds in flight
+        # anyway, so the memory bound does not move): a multipart upload costs two more requests, and servers that
+        # join the parts at completion (moto, some S3-compatible stores) take a second pass over the bytes
+        single = self.storage_options.pop("single_put_bytes", os.environ.get("HYPERDCP_S3_SINGLE_PUT_BYTES"))
+        single = self.concurrency * self.part_bytes if single in (None, "") else int(single)
+        self.single_put_bytes = min(max(int(single), self.part_bytes + MIN_PART), 5 << 30)  # S3's largest PUT: 5 GiB
         self.policy = policy or RetryPolicy.from_env()
         self._client = client
         self._pool: ThreadPoolExecutor | None = None
