@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${HYPERDCP_EXAMPLES_VENV:-$PWD/.venvs/examples}"
-PINS=(torch==2.13.0 torchtitan==0.3.0 transformers==5.24.0 accelerate==1.15.0 triton==3.9.0)  # torchtitan imports triton
+PINS=(torch==2.13.0 torchtitan==0.3.0 transformers==5.24.0 accelerate==1.15.0 lightning==2.6.6 triton==3.9.0)  # torchtitan imports triton
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv --system-site-packages "$VENV"
 fi
