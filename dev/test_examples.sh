@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The example tests (examples/**/test_*.py): torchtitan, transformers and accelerate, each pinned, in a venv of
+# The example tests (examples/**/test_*.py): torchtitan, transformers, accelerate and Lightning, each pinned, in a venv of
 # their own (torchtitan's dependencies would downgrade fsspec in the main environment).
 # Usage: bash dev/test_examples.sh [pytest args...]   (default: all of examples/)
 set -euo pipefail
