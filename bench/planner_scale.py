@@ -117,14 +117,14 @@ def bench_torch(specs, kinds, per_rank, W, repeat: int = 1):
     plans = []
     for tidx, offs, lens in per_rank:
         items = []
-        for k, o, l in zip(tidx.tolist(), offs.tolist(), lens.tolist()):
+        for k, o, ln in zip(tidx.tolist(), offs.tolist(), lens.tolist()):
             s = specs[k]
             nd = len(s.shape)
             items.append(WriteItem(
                 index=MetadataIndex(s.fqn, torch.Size(o[:nd])),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size(o[:nd]), sizes=torch.Size(l[:nd])),
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(o[:nd]), sizes=torch.Size(ln[:nd])),
                     properties=props[s.fqn],
                     size=torch.Size(s.shape),
                 ),

@@ -74,6 +74,7 @@ def test_round_trip_4_ranks(tmp_path, mode):
 
 
 def _failures(rank, world, root, mode):
+    import resource
     import signal
     import time
 
@@ -81,27 +82,38 @@ def _failures(rank, world, root, mode):
     from hyperdcp.async_saving import PersistProcessDiedError, SaveInProgressError
     from hyperdcp.async_saving import session as saver
 
-    state = {"w": torch.arange(12.0).reshape(4, 3) + rank * 0, "step": 1}
-    hyperdcp.async_save(state, f"{root}/ok", coordination=mode).result(timeout=60)
+    # "r" differs between the ranks, so it is stored per rank: every rank writes its own 1 MiB of it
+    state = {"w": torch.arange(12.0).reshape(4, 3) + rank * 0, "step": 1, "r": torch.full((1 << 18,), float(rank))}
+    first = hyperdcp.async_save(state, f"{root}/ok", coordination=mode)
+    first.result(timeout=60)
+    pid = first.worker_pid  # this rank's persist process; it handles the next saves too
 
-    # 1. an exception in rank 1's persist process fails every future, with that error
-    saver.TEST_FAULT = {"rank": 1, "kind": "raise", "message": "boom-injected-fault"}
-    fut = hyperdcp.async_save(state, f"{root}/bad", coordination=mode)
-    saver.TEST_FAULT = None
-    with pytest.raises(hyperdcp.CheckpointError, match="boom-injected-fault") as ei:
-        fut.result(timeout=60)
-    assert not isinstance(ei.value, TimeoutError)
+    # 1. a write error in rank 1's persist process (a real one: its file-size limit, EFBIG) fails every future
     if rank == 1:
-        assert "faulty" in ei.value.remote_traceback and "RuntimeError" in ei.value.original_type
+        limit = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (64 << 10, limit[1]))  # exchange files fit, data files do not
+    fut = hyperdcp.async_save(state, f"{root}/bad", coordination=mode)
+    try:
+        with pytest.raises(hyperdcp.CheckpointError, match="File too large") as ei:
+            fut.result(timeout=60)
+    finally:
+        if rank == 1:
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, limit)
+    assert fut.worker_pid == pid and not isinstance(ei.value, TimeoutError)
+    if rank == 1:  # its own error, with the persist process's traceback
+        assert isinstance(ei.value, hyperdcp.StorageError) and "StorageError" in ei.value.original_type
+        assert "write_data_file" in ei.value.remote_traceback
     else:
         assert isinstance(ei.value, hyperdcp.RemoteRankError) and "rank 1" in str(ei.value)
     assert not os.path.exists(f"{root}/bad")
 
-    # 2. rank 1's persist process is killed mid-save (overwriting a committed checkpoint)
-    saver.TEST_FAULT = {"rank": 1, "kind": "stall", "seconds": 60}
-    state2 = {"w": torch.full((4, 3), 5.0), "step": 2}
+    # 2. rank 1's persist process is killed mid-save (overwriting a committed checkpoint); it is stopped
+    #    (SIGSTOP) before the save is submitted, so the save is still in flight when the kill lands
+    if rank == 1:
+        os.kill(pid, signal.SIGSTOP)
+    state2 = {"w": torch.full((4, 3), 5.0), "step": 2, "r": torch.full((1 << 18,), 2.0 + rank)}
     fut = hyperdcp.async_save(state2, f"{root}/ok", coordination=mode, overwrite=True)
-    saver.TEST_FAULT = None
+    assert fut.worker_pid == pid
     with pytest.raises(SaveInProgressError):
         hyperdcp.async_save(state2, f"{root}/other", coordination=mode, wait=False)
     if rank == 1:
@@ -114,9 +126,10 @@ def _failures(rank, world, root, mode):
         assert isinstance(ei.value, PersistProcessDiedError) and "SIGKILL" in str(ei.value), repr(ei.value)
     else:
         assert "rank 1" in str(ei.value), ei.value
-    back = {"w": torch.zeros(4, 3), "step": 0}
+    back = {"w": torch.zeros(4, 3), "step": 0, "r": torch.zeros(1 << 18)}
     hyperdcp.load(back, f"{root}/ok")  # the previous checkpoint is intact
     assert torch.equal(back["w"], torch.arange(12.0).reshape(4, 3)) and back["step"] == 1
+    assert torch.equal(back["r"], state["r"])
 
     # 3. the next save works (with a new persist process on rank 1)
     res = hyperdcp.async_save(state2, f"{root}/ok", coordination=mode, overwrite=True).result(timeout=60)

@@ -109,12 +109,12 @@ def test_local_schedules_are_the_ranks_parts_of_the_global_one(case):
         for i, a in enumerate(us):
             for b in us[i + 1:]:
                 assert all(na.box.intersect(nb.box) is None for na in a.needs for nb in b.needs)
-    for r, (sts, pieces) in enumerate(ranks):
+    for r, (_sts, pieces) in enumerate(ranks):
         got = sum(n.box.numel for u in ref.units for n in u.needs if n.rank == r)
         assert got == sum(p.box.numel for p in pieces)  # disjoint, so an exact cover of its pieces
     hosts = [r * nhosts // max(1, world) for r in range(world)]
     host_units = {}
-    for r, (sts, pieces) in enumerate(ranks):
+    for r, (sts, _pieces) in enumerate(ranks):
         assert own_plan(meta, sts, r) == plans[r]  # the layout rule reproduces the rank's own plan
         entries = {(ti, ci, b): e for e, (ti, ci, b) in enumerate(plans[r])}
         alone = local_schedule(meta, grid_wants(meta, sts, world, [r], entries, r), verify, batch, r)

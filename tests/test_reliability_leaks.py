@@ -184,24 +184,28 @@ def test_a_training_process_ending_right_after_async_save_leaves_nothing_behind(
         assert all(torch.equal(got[f"t{i}"], torch.full((1 << 20,), float(i))) for i in range(8))
 
 
-def test_sigterm_to_a_persist_process_mid_save_removes_its_temporary_directory_and_lock(tmp_path, monkeypatch):
+def test_sigterm_to_a_persist_process_mid_save_removes_its_temporary_directory_and_lock(tmp_path):
     from hyperdcp.async_saving import PersistProcessDiedError
     from hyperdcp.async_saving import session as saver
+    from hyperdcp.storage import register_storage, unregister_storage
 
     hyperdcp.async_save({"w": torch.zeros(4)}, tmp_path / "c").result(timeout=60)  # the previous checkpoint
-    monkeypatch.setattr(saver, "TEST_FAULT", {"rank": 0, "kind": "stall", "seconds": 60})  # stalls while writing
+    # the same directory through a storage whose data-file writes hang (a hung network file system), served
+    # for its URL scheme in the persist process too
+    register_storage("stalling", "tests.faults.storage:StallingLocalStorage")
     try:
-        fut = hyperdcp.async_save({"w": torch.ones(4)}, tmp_path / "c", overwrite=True)
+        fut = hyperdcp.async_save({"w": torch.ones(4)}, f"stalling://{tmp_path / 'c'}", overwrite=True)
         deadline = time.monotonic() + 30
         while not [e for e in _leftovers(tmp_path, "c") if "-tmp-" in e] and time.monotonic() < deadline:
             time.sleep(0.02)
         assert [e for e in _leftovers(tmp_path, "c") if "-tmp-" in e], "the save never created its temporary directory"
+        assert [e for e in _leftovers(tmp_path, "c") if e.endswith("-lock")], "the save holds no lock"
         os.kill(fut.worker_pid, signal.SIGTERM)
         with pytest.raises(PersistProcessDiedError, match="SIGTERM"):
             fut.result(timeout=30)
         assert _leftovers(tmp_path, "c") == []
     finally:
-        monkeypatch.setattr(saver, "TEST_FAULT", None)
+        unregister_storage("stalling")
         saver.shutdown()
     got = {"w": torch.full((4,), 7.0)}
     hyperdcp.load(got, tmp_path / "c")

@@ -201,12 +201,18 @@ def test_read_only_target(tmp_path, monkeypatch):
 
 
 def test_read_only_target_fails_before_any_work(tmp_path, monkeypatch):
-    calls = []
-    import hyperdcp.saving as saving
+    created = []  # tripwires on the standard library: every file or directory the save would create
+    real_open, real_mkdir = os.open, os.mkdir
 
-    real = saving._write_assigned
-    monkeypatch.setattr(saving, "_write_assigned", lambda *a, **k: calls.append(1) or real(*a, **k))
+    def tripwire_open(path, flags, *a, **k):
+        if flags & os.O_CREAT:
+            created.append(path)
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", tripwire_open)
+    monkeypatch.setattr(os, "mkdir", lambda path, *a, **k: created.append(path) or real_mkdir(path, *a, **k))
     monkeypatch.setattr(os, "access", lambda p, mode: False)
     with pytest.raises(hyperdcp.StorageError, match="read-only"):
         hyperdcp.save(_state(), str(tmp_path / "step-1"))
-    assert calls == [] and not os.path.exists(tmp_path / "step-1")
+    monkeypatch.undo()
+    assert created == [] and os.listdir(tmp_path) == []  # no lock, no temporary directory, no data file

@@ -110,11 +110,12 @@ def test_a_stopped_persist_process_fails_its_save_and_the_next_async_save_goes_o
     from hyperdcp.async_saving import session as saver
 
     monkeypatch.setenv("HYPERDCP_PERSIST_STALL_SECONDS", "1")
-    hyperdcp.async_save({"w": torch.zeros(4)}, tmp_path / "a").result(timeout=60)  # a running persist process
-    monkeypatch.setattr(saver, "TEST_FAULT", {"rank": 0, "kind": "stall", "seconds": 60})
+    first = hyperdcp.async_save({"w": torch.zeros(4)}, tmp_path / "a")  # a running persist process
+    first.result(timeout=60)
+    pid = first.worker_pid
+    os.kill(pid, signal.SIGSTOP)  # stopped, as by a debugger, before the next save reaches it
     fut = hyperdcp.async_save({"w": torch.ones(4)}, tmp_path / "b")
-    os.kill(fut.worker_pid, signal.SIGSTOP)
-    monkeypatch.setattr(saver, "TEST_FAULT", None)
+    assert fut.worker_pid == pid
     try:
         t0 = time.monotonic()
         nxt = hyperdcp.async_save({"w": torch.full((4,), 2.0)}, tmp_path / "c")  # waits for the stuck one: bounded
@@ -139,11 +140,11 @@ def test_a_stopped_persist_process_fails_its_save_and_the_next_async_save_goes_o
 def test_exit_with_a_stopped_persist_process_is_bounded_and_names_the_rank(tmp_path):
     script = f"""
         import os, signal, torch, hyperdcp
-        from hyperdcp.async_saving import session as saver
-        hyperdcp.async_save({{"w": torch.zeros(4)}}, {str(tmp_path / "a")!r}).result(timeout=60)
-        saver.TEST_FAULT = {{"rank": 0, "kind": "stall", "seconds": 60}}
+        first = hyperdcp.async_save({{"w": torch.zeros(4)}}, {str(tmp_path / "a")!r})
+        first.result(timeout=60)
+        os.kill(first.worker_pid, signal.SIGSTOP)  # stopped before the next save reaches it
         fut = hyperdcp.async_save({{"w": torch.ones(4)}}, {str(tmp_path / "b")!r})
-        os.kill(fut.worker_pid, signal.SIGSTOP)
+        assert fut.worker_pid == first.worker_pid
         print(fut.worker_pid, flush=True)
     """
     t0 = time.monotonic()

@@ -249,3 +249,61 @@ def test_adjacent_reads_of_one_file_are_one_request_with_the_same_bytes(s3):
     assert got[0].view(np.float32).tolist() == a.tolist() and got[1].view(np.int64).tolist() == b.tolist()
     assert files.bytes_read == spans[0][2] + spans[1][2]  # the same bytes, once
     files.close()
+
+
+def test_convert_hf_into_s3_then_inspect_diff_and_verify_the_format_2_checkpoint(s3, tmp_path, monkeypatch, capsys):
+    """hf-to-hyperdcp writes through the destination's Storage: into a bucket it uploads per-save objects and
+    the record last; the result loads back bit-exact. It is a format-2 checkpoint (a binary chunk index object),
+    which inspect, diff and verify read from the URL; an overwrite replaces every object; hyperdcp-to-hf into a
+    URL is refused before anything is read or written."""
+    from safetensors.numpy import save_file
+
+    from hyperdcp.cli import main as cli
+    from hyperdcp.format.metadata import METADATA_FILE
+    from hyperdcp.tools.convert import hf_to_hyperdcp, hyperdcp_to_hf
+
+    monkeypatch.setenv("HYPERDCP_INDEX_MIN_CHUNKS", "0")  # format 2 even for this small model
+    rng = np.random.default_rng(5)
+
+    def model(scale: float) -> dict:
+        return {"model.w": (rng.standard_normal((512, 1024)) * scale).astype(np.float32),  # 2 MiB: 32 pieces
+                "model.h": rng.standard_normal((300, 7)).astype(np.float16),
+                "model.e": np.zeros((0, 3), np.float32), "model.b": rng.integers(-9, 9, 5).astype(np.int64)}
+
+    first, second = model(1.0), model(2.0)
+    for name, sd in (("one", first), ("two", second)):
+        (tmp_path / name).mkdir()
+        save_file(sd, str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
+    one, url = str(tmp_path / "one"), f"s3://{s3.bucket}/conv/step-0"
+    res = hf_to_hyperdcp(one, url, threads=3, buffer_bytes=64 << 10, checksum_block_bytes=16 << 10)
+    assert res.dst == url and res.tensors == 4
+    meta = hyperdcp.read_metadata(url)
+    assert meta.format_version == 2
+    keys = _keys(s3)
+    index = [k for k in keys if "/hyperdcp-index-" in k]  # the binary chunk index, written before the record
+    assert len(index) == 1
+    assert keys == sorted([f"conv/step-0/{n}" for n in [METADATA_FILE, *(f.name for f in meta.files)]] + index)
+    back = {k: np.full_like(v, 7) for k, v in first.items()}
+    hyperdcp.load(back, url)
+    assert all(back[k].dtype == v.dtype and back[k].tobytes() == v.tobytes() for k, v in first.items())
+    assert hyperdcp.verify_checkpoint(url).ok
+    capsys.readouterr()
+    assert cli(["inspect", url, "--json"]) == 0
+    assert sorted(t["name"] for t in json.loads(capsys.readouterr().out)["tensors"]) == sorted(first)
+    assert cli(["diff", url, url]) == 0
+    assert cli(["diff", url, one]) == 0  # the same tensors as its HF source, read from the bucket
+    with pytest.raises(hyperdcp.CheckpointExistsError, match="overwrite=True"):
+        hf_to_hyperdcp(str(tmp_path / "two"), url)
+    assert _keys(s3) == keys  # the refused conversion left nothing
+    assert cli(["convert", "hf-to-hyperdcp", str(tmp_path / "two"), url, "--overwrite", "-q"]) == 0
+    assert set(_keys(s3)) & set(keys) == {f"conv/step-0/{METADATA_FILE}"}  # every replaced object is gone
+    capsys.readouterr()
+    assert cli(["diff", url, one]) != 0
+    assert "model.w" in capsys.readouterr().out
+    back = {k: np.zeros_like(v) for k, v in second.items()}
+    hyperdcp.load(back, url)
+    assert all(back[k].tobytes() == v.tobytes() for k, v in second.items())
+    assert s3.boto().list_multipart_uploads(Bucket=s3.bucket).get("Uploads") is None
+    with pytest.raises(hyperdcp.UnsupportedStorageError, match="local"):
+        hyperdcp_to_hf(url, f"s3://{s3.bucket}/hf-out")
+    assert not (tmp_path / "s3:").exists()

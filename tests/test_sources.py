@@ -209,6 +209,35 @@ def test_links_stay_refused_outside_hub_snapshots(tmp_path):
         hyperdcp.load(_zeros(), snap)
 
 
+@pytest.mark.parametrize("kind", ["hyperdcp", "hub-snapshot"])
+def test_a_link_leaving_the_checkpoint_is_refused_by_every_reader(make, tmp_path, kind, capsys):
+    """A data file replaced by a link to an identical copy outside the checkpoint directory (or, in a hub
+    snapshot, outside its repository folder): load, verify_checkpoint and the verify, inspect and diff
+    commands all refuse to read through it."""
+    path, ref = make(kind), make("hyperdcp") if kind != "hyperdcp" else None
+    name = hyperdcp.read_metadata(path).files[-1].name
+    outside = str(tmp_path / "outside.safetensors")
+    shutil.copyfile(os.path.join(path, name), outside)  # the same bytes: only where they live is wrong
+    os.unlink(os.path.join(path, name))
+    os.symlink(outside, os.path.join(path, name))
+    why = "symbolic link" if kind == "hyperdcp" else "outside its hub cache repository"
+    with pytest.raises(hyperdcp.FormatError, match=why):
+        hyperdcp.load(_zeros(), path)
+    rep = hyperdcp.verify_checkpoint(path)  # reports, never raises, for damage
+    assert not rep.ok and any(why in e and name in e for e in rep.file_errors), rep.file_errors
+    if kind == "hub-snapshot":  # its metadata comes from the files' headers: it does not open at all
+        with pytest.raises(hyperdcp.FormatError, match=why):
+            hyperdcp.read_metadata(path)
+        capsys.readouterr()
+        assert cli_main(["inspect", path]) != 0
+        assert why in capsys.readouterr().err
+    capsys.readouterr()
+    assert cli_main(["verify", path]) != 0
+    assert why in "".join(capsys.readouterr())
+    assert cli_main(["diff", path, ref or make("hf-file")]) != 0
+    assert why in "".join(capsys.readouterr())
+
+
 # -- open_source: kinds, and why none matched --------------------------------------------------------
 def test_open_source_says_why_no_kind_matched(tmp_path):
     empty = tmp_path / "empty"
@@ -271,17 +300,17 @@ def test_conversions_read_any_source(make, tmp_path):
 
 
 # -- the commands on every kind ----------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["http", "hf-dir", "hf-file", "hub-snapshot"])
+@pytest.mark.parametrize("kind", ["hyperdcp", "http", "hf-dir", "hf-sharded", "hf-file", "hub-snapshot"])
 def test_inspect_verify_and_diff_commands(make, kind, capsys):
-    path, ref = make(kind), make("hyperdcp")
+    path, ref = make(kind), (make("hyperdcp") if kind != "hyperdcp" else make("hf-file"))
     assert cli_main(["inspect", "--json", path]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["kind"] == ("hyperdcp" if kind == "http" else "huggingface-safetensors")
+    assert rep["kind"] == ("hyperdcp" if kind in ("hyperdcp", "http") else "huggingface-safetensors")
     assert {t["name"]: t["shape"] for t in rep["tensors"]} == {k: list(v.shape) for k, v in WEIGHTS.items()}
     assert cli_main(["verify", path]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[-1].startswith("OK: ")
-    assert ("NO CHECKSUMS" in out) == (kind != "http")
+    assert ("NO CHECKSUMS" in out) == (kind not in ("hyperdcp", "http"))
     assert cli_main(["diff", path, ref]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("EQUAL: 3 tensors compared")
 

@@ -235,12 +235,11 @@ def _memory_tensor(st, meta: Metadata, fqn: str) -> np.ndarray:
     return out
 
 
-def test_a_save_to_storage_without_rename_commits_the_record_last(tmp_path, monkeypatch):
+def test_a_save_to_storage_without_rename_commits_the_record_last(tmp_path):
     """MemoryStorage commits like an object store: per-save file names, record last, old files removed after."""
-    import hyperdcp.saving as saving
-    from hyperdcp.storage.memory import MemoryStorage
+    from tests.faults.storage import DiskGoneAfterWriting
 
-    st, coord = MemoryStorage("mem://ck"), LocalCoordinator()
+    st, coord = DiskGoneAfterWriting("mem://ck"), LocalCoordinator()
     first = _state()
     assert persist(coord, stage(first, coord), "mem://ck", SaveOptions(), None, storage=st).path == "mem://ck"
     meta1 = Metadata.from_json(st.read_all(METADATA_FILE, 1 << 20))
@@ -248,16 +247,10 @@ def test_a_save_to_storage_without_rename_commits_the_record_last(tmp_path, monk
     with pytest.raises(hyperdcp.CheckpointExistsError, match="overwrite=True"):
         persist(coord, stage(first, coord), "mem://ck", SaveOptions(), None, storage=st)
 
-    real = saving._write_assigned
-
-    def write_then_fail(*a, **k):
-        real(*a, **k)
-        raise RuntimeError("disk gone after writing")
-
-    monkeypatch.setattr(saving, "_write_assigned", write_then_fail)
+    st.failing = "disk gone after writing"  # every data file is stored, then the write step fails
     with pytest.raises(RuntimeError, match="disk gone"):
         persist(coord, stage(first, coord), "mem://ck", SaveOptions(overwrite=True), None, storage=st)
-    monkeypatch.undo()
+    st.failing = None
     assert st.list() == sorted([METADATA_FILE] + [f.name for f in meta1.files])  # the failed save left nothing
 
     second = {"w": first["w"] * 2, "b": first["b"] + 1, "step": 8}
@@ -267,3 +260,37 @@ def test_a_save_to_storage_without_rename_commits_the_record_last(tmp_path, monk
     assert st.list() == sorted([METADATA_FILE] + [f.name for f in meta2.files])  # the replaced save's files are gone
     assert np.array_equal(_memory_tensor(st, meta2, "w"), second["w"])
     assert np.array_equal(_memory_tensor(st, meta2, "b"), second["b"]) and meta2.values == {"step": 8}
+
+
+def test_a_registered_url_scheme_is_served_by_its_own_storage(tmp_path):
+    """register_storage: a Storage of the user's own for a URL scheme, reached by save, load, read_metadata and
+    storage_for (async saves too: tests/test_reliability_leaks.py); named by import path, validated at once."""
+    from hyperdcp.storage import register_storage, unregister_storage
+    from tests.faults.storage import StallingLocalStorage
+
+    url, state = f"stalling://{tmp_path / 'c'}", _state()
+    with pytest.raises(hyperdcp.UnsupportedStorageError):
+        hyperdcp.save(state, url)  # not registered: a URL hyperdcp cannot save to
+    with pytest.raises(ValueError, match="served by hyperdcp"):
+        register_storage("s3", "tests.faults.storage:StallingLocalStorage")
+    with pytest.raises(ValueError, match="module:attribute"):
+        register_storage("stalling", "tests.faults.storage.StallingLocalStorage")
+    with pytest.raises(ValueError, match="import path"):
+        register_storage("stalling", lambda url, opts: None)
+    with pytest.raises(ImportError):
+        register_storage("stalling", "tests.faults.no_such_module:Storage")
+    register_storage("stalling", StallingLocalStorage)  # recorded as tests.faults.storage:StallingLocalStorage
+    try:
+        assert isinstance(storage_for(url), StallingLocalStorage)
+        assert hyperdcp.save(state, url, storage_options={"stall_seconds": 0}).path == str(tmp_path / "c")
+        got = {"w": np.zeros((4, 3), np.float32), "b": np.zeros(5, np.int64), "step": 0}
+        hyperdcp.load(got, url)
+        assert np.array_equal(got["w"], state["w"]) and np.array_equal(got["b"], state["b"]) and got["step"] == 7
+        assert sorted(hyperdcp.read_metadata(url).tensors) == ["b", "w"]
+    finally:
+        unregister_storage("stalling")
+    with pytest.raises(hyperdcp.UnsupportedStorageError):
+        hyperdcp.save(state, url, overwrite=True)
+    got = {"w": np.zeros((4, 3), np.float32), "b": np.zeros(5, np.int64), "step": 0}
+    hyperdcp.load(got, str(tmp_path / "c"))  # the same directory, as a plain path
+    assert np.array_equal(got["w"], state["w"])

@@ -134,7 +134,7 @@ def _read_committed(path: str) -> Metadata:
 def _step_pattern(fmt: str) -> re.Pattern:
     """The regular expression of the directory names ``fmt.format(step=N)`` gives."""
     parts, fields = [], 0
-    for literal, name, spec, conv in string.Formatter().parse(fmt):
+    for literal, name, _spec, conv in string.Formatter().parse(fmt):
         parts.append(re.escape(literal))
         if name is None:
             continue

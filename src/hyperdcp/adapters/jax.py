@@ -207,5 +207,5 @@ def _union(boxes: list[Box]) -> Box | None:
     """The box that the distinct, disjoint device boxes ``boxes`` tile exactly, or None if they tile none."""
     lo = tuple(min(b.offsets[d] for b in boxes) for d in range(boxes[0].ndim))
     hi = tuple(max(b.ends[d] for b in boxes) for d in range(boxes[0].ndim))
-    outer = Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+    outer = Box(lo, tuple(h - a for a, h in zip(lo, hi)))
     return outer if sum(b.numel for b in boxes) == outer.numel else None

@@ -41,7 +41,6 @@ class ChildState:
     area: Any = None  # the mapped staging area (ShmArea, read-only)
     cache: Any = None  # this process's PlanCache
     known: set = field(default_factory=set)  # plan-cache keys the training process already has
-    restore: Any = None  # (module, original) of an installed test fault
     busy: bool = False  # a save is running
     terminating: bool = False  # SIGTERM arrived during a save
     orphan: bool = False  # the training process is gone
@@ -153,11 +152,13 @@ def _explain_gloo_failure(msg: dict, e: BaseException, wait: float = 3.0) -> Bas
     """A collective that failed because a peer persist process died ("connection closed by peer") names no
     rank; the dead rank's training process announces it in the store within a second or so (its abort
     watcher races with gloo's own error): wait briefly for that announcement and report it instead."""
-    from ..errors import CoordinationError, RemoteRankError
+    from ..errors import CheckpointError, CoordinationError, RemoteRankError
 
     store = _state().store
     if store is None or isinstance(e, RemoteRankError) or getattr(e, "rank_errors", None):
         return e
+    if isinstance(e, CheckpointError) and not isinstance(e, CoordinationError):
+        return e  # this rank's own error (a write that failed, ...): it says what happened, nothing to wait for
     key = f"hyperdcp-abort/{msg['rdzv_prefix']}/{msg['seq']}"
     deadline = time.monotonic() + wait
     try:
@@ -212,32 +213,6 @@ def _staged(msg: dict):
     return StagedState(plan, chunks, values)
 
 
-def _inject(fault: dict | None, rank: int) -> None:
-    """Test hook: make this rank's persist step fail or stall (``fault`` comes from the test)."""
-    if not fault or int(fault.get("rank", -1)) != rank:
-        return
-    from .. import saving
-
-    orig = saving._write_assigned
-    kind = fault.get("kind")
-
-    def faulty(*a, **k):
-        if kind == "raise":
-            raise RuntimeError(fault.get("message", "injected persist fault"))
-        if kind == "stall":
-            time.sleep(float(fault.get("seconds", 60)))
-        return orig(*a, **k)
-
-    saving._write_assigned = faulty
-    _state().restore = (saving, orig)
-
-
-def _pop_restore():
-    st = _state()
-    restore, st.restore = st.restore, None
-    return restore
-
-
 def _cleanup_exchange(root: str, world_size: int, keep: str | None) -> None:
     """Remove exchange directories of earlier saves that every rank has finished with."""
     try:
@@ -264,13 +239,17 @@ def _save(msg: dict) -> dict:
     """Fields: path, rank, world_size, mode ("gloo"|"file"|"none"|"local"), options (SaveOptions fields),
     plan (LocalPlan bytes), shm_path, shm_bytes, offsets, sizes (int64 bytes), values (encoded), cache
     (entries to seed), plus per mode: host/port/rdzv_prefix/timeout (gloo), exchange_dir (file),
-    mine/save_id (none); fault (tests only)."""
+    mine/save_id (none); storage_schemes (the training process's :func:`~hyperdcp.storage.register_storage`
+    registrations: scheme -> factory path)."""
     from ..async_save.file_coordination import FileCoordinator
     from ..async_save.rank_files import persist_alone
     from ..coordination.base import LocalCoordinator
     from ..options import SaveOptions
     from ..planning.save_plan import GlobalPlan, PlanCache
     from ..saving import persist
+    from ..storage.schemes import adopt
+
+    adopt(msg.get("storage_schemes"))  # a storage of the user's own for the path's scheme: the same one here
 
     if _state().cache is None:
         _state().cache = PlanCache()
@@ -293,35 +272,29 @@ def _save(msg: dict) -> dict:
                 raise
             staged = e
     rank, W, mode = msg["rank"], msg["world_size"], msg["mode"]
-    _inject(msg.get("fault"), rank)
-    try:
-        if mode == "none":
-            res = persist_alone(msg["path"], rank, W, staged, np.frombuffer(msg["mine"], np.int64), msg["values"],
-                                opts, msg["save_id"])
+    if mode == "none":
+        res = persist_alone(msg["path"], rank, W, staged, np.frombuffer(msg["mine"], np.int64), msg["values"],
+                            opts, msg["save_id"])
+    else:
+        if mode == "gloo":
+            coord = _gloo_coordinator(msg)
+        elif mode == "file":
+            coord = FileCoordinator(msg["exchange_dir"], rank, W, float(msg.get("timeout") or 600))
+            if rank == 0:
+                _cleanup_exchange(os.path.dirname(msg["exchange_dir"]), W, msg["exchange_dir"])
         else:
-            if mode == "gloo":
-                coord = _gloo_coordinator(msg)
-            elif mode == "file":
-                coord = FileCoordinator(msg["exchange_dir"], rank, W, float(msg.get("timeout") or 600))
-                if rank == 0:
-                    _cleanup_exchange(os.path.dirname(msg["exchange_dir"]), W, msg["exchange_dir"])
-            else:
-                coord = LocalCoordinator()
-            try:
-                res = persist(coord, staged, msg["path"], opts, cache)
-            finally:
-                if mode == "file":  # success or not, this rank is finished with the exchange directory
-                    try:
-                        with open(os.path.join(msg["exchange_dir"], f"done-{rank}"), "wb"):
-                            pass
-                    except OSError:
+            coord = LocalCoordinator()
+        try:
+            res = persist(coord, staged, msg["path"], opts, cache)
+        finally:
+            if mode == "file":  # success or not, this rank is finished with the exchange directory
+                try:
+                    with open(os.path.join(msg["exchange_dir"], f"done-{rank}"), "wb"):
                         pass
-            if mode == "gloo":
-                _state().group_suspect = False
-    finally:
-        restore = _pop_restore()
-        if restore is not None:
-            restore[0]._write_assigned = restore[1]
+                except OSError:
+                    pass
+        if mode == "gloo":
+            _state().group_suspect = False
     back = []
     for key, val in cache.items():
         if key not in known:

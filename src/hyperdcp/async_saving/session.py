@@ -44,13 +44,12 @@ from ..errors import (
 )
 from ..options import SaveOptions
 from ..saving import SaveResult
+from ..storage.schemes import registered as registered_schemes
 from .future import RemoteTraceback, SaveFuture
 from .staging import Stager, writers_alone
 from .worker import PersistWorker
 
 DEFAULT_MODE = "gloo"
-#: test hook: a fault dict sent to the persist processes with the next saves (see child._inject)
-TEST_FAULT: dict | None = None
 
 #: SaveOptions fields that do not travel to the persist process (a process group is not transferable)
 _NOT_TRANSFERRED = frozenset({"process_group"})
@@ -177,7 +176,7 @@ class _Session:
             "options": {f: getattr(opts, f) for f in _OPTION_FIELDS}, "cache": self._cache_entries(),
             "timeout": opts.timeout, "host": self.host, "port": self.port,
             "rdzv_prefix": f"hyperdcp-persist/{self.token}", "exchange_dir": xdir,
-            "save_id": f"{self.token}-{seq}", "fault": TEST_FAULT, "seq": seq,
+            "save_id": f"{self.token}-{seq}", "seq": seq, "storage_schemes": registered_schemes(),
         }
         if copy is not None:
             lay = copy.layout

@@ -26,7 +26,7 @@ def register(subparsers) -> None:
     a = sub.add_parser("hf-to-hyperdcp", aliases=["hf-to-dcp"],
                        help="HF model directory or .safetensors file -> hyperdcp checkpoint")
     a.add_argument("src", metavar="SRC", help="HF model directory (model.safetensors or sharded with an index) or a .safetensors file")
-    a.add_argument("dst", metavar="DST", help="hyperdcp checkpoint directory to create")
+    a.add_argument("dst", metavar="DST", help="hyperdcp checkpoint to create: a directory or an s3:// URL")
     b = sub.add_parser("hyperdcp-to-hf", aliases=["dcp-to-hf"],
                        help="hyperdcp checkpoint -> HF safetensors shards + model.safetensors.index.json",
                        description="Export a hyperdcp checkpoint as HF safetensors. A checkpoint of "

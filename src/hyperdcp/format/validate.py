@@ -242,11 +242,11 @@ def _parse_tensors_fast(doc: dict, nfiles: int, block: int) -> dict[str, TensorM
                 continue
             pos = np.repeat(first[sel] - np.concatenate([[0], np.cumsum(counts_a[sel])[:-1]]), counts_a[sel]) + np.arange(m)
             if nd:
-                o, l = np.array(orows), np.array(lrows)
-                if o.shape != (m, nd) or l.shape != (m, nd) or o.dtype.kind not in "iu" or l.dtype.kind not in "iu":
+                o, ln = np.array(orows), np.array(lrows)
+                if o.shape != (m, nd) or ln.shape != (m, nd) or o.dtype.kind not in "iu" or ln.dtype.kind not in "iu":
                     return None
                 offs[pos, :nd] = o
-                lens[pos, :nd] = l
+                lens[pos, :nd] = ln
             elif any(x != [] for x in orows) or any(x != [] for x in lrows):
                 return None
         f, b, e = (np.array(x) if x else np.zeros(0, np.int64) for x in (files, begins, ends))

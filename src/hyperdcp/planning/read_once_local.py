@@ -137,7 +137,7 @@ def _rounds(meta: Metadata, us: list[Unit], subs: dict[int, list], T: int, B: in
             for r in active:
                 u = queues[r][heads[r]]
                 add_out, add_in = u.nbytes, {}
-                for sub, rs, _, nb, contiguous in subs[id(u)]:
+                for _sub, rs, _, nb, contiguous in subs[id(u)]:
                     others = len(rs) - int(r in rs)
                     if not contiguous:
                         add_out += nb * others

@@ -304,13 +304,13 @@ def _stack_per_rank(specs: list[TensorSpec], per_rank: dict[str, np.ndarray], ti
 
 def _greedy(sizes: np.ndarray, loads: Sequence[int]) -> np.ndarray:
     """Largest first, each to the least-loaded holder (ties to the lowest position)."""
-    heap = [(int(l), i) for i, l in enumerate(loads)]
+    heap = [(int(load), i) for i, load in enumerate(loads)]
     heapq.heapify(heap)
     out = np.empty(len(sizes), dtype=np.int64)
     for j, s in enumerate(sizes.tolist()):
-        l, i = heapq.heappop(heap)
+        load, i = heapq.heappop(heap)
         out[j] = i
-        heapq.heappush(heap, (l + s, i))
+        heapq.heappush(heap, (load + s, i))
     return out
 
 

@@ -11,8 +11,5 @@ from .flow import build_metadata, persist
 from .stage import StagedState, check_storable, stage
 from .write import WrittenFile, write_assigned, write_data_file
 
-#: the write step the flows call (see :func:`.write.seam`); tests replace it to observe or fail writes
-_write_assigned = write_assigned
-
 __all__ = ["SaveResult", "StagedState", "WrittenFile", "build_metadata", "check_storable", "persist", "stage",
            "write_assigned", "write_data_file"]

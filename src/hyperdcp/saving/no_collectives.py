@@ -52,7 +52,7 @@ def persist_alone(path: str, rank: int, world_size: int, staged: StagedState, mi
         for e in present:
             if e == mine_file or e.startswith(f"r{rank:05d}-") or (rank == 0 and (e == METADATA_FILE or is_index_file(e))):
                 files.remove(e)
-    result = write.seam()(files, rank, staged, mine, opts, save_token(save_id))
+    result = write.write_assigned(files, rank, staged, mine, opts, save_token(save_id))
     head, arr = wire.unpack(result)
     tensors: dict = {}
     for j, i in enumerate(mine.tolist()):

@@ -11,9 +11,8 @@ No ``os`` calls here: every byte goes through :meth:`SaveFiles.create` writers, 
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -96,10 +95,4 @@ def write_assigned(files: SaveFiles, rank: int, staged: StagedState, assignment:
         {"files": [[w.name, w.nbytes] for w in written], "checksums": [sums[i] for i in inv.tolist()]},
         {"file": fidx[inv], "begin": begin[inv], "end": end[inv]},
     )
-
-
-def seam() -> Callable[..., bytes]:
-    """The write step both flows call, looked up when called: ``hyperdcp.saving._write_assigned`` (by
-    default :func:`write_assigned`) is the seam that tests and the persist process's fault injection replace."""
-    return getattr(sys.modules[__package__], "_write_assigned", write_assigned)
 

@@ -10,11 +10,12 @@ A source is one readable checkpoint of some kind (``"hyperdcp"``, ``"huggingface
     files = src.reader()             # per load: checks each data file once, then ranged reads
     files.read_into(fidx, offset, out, what) ... files.close()
 
-:class:`ChunkReader` reads local data files: opened once per load, never through a symlink (a
-HuggingFace hub snapshot's links into its own ``blobs/`` are resolved by the source beforehand and
-passed as ``links``), checked against the size the metadata records and, for verifiable sources,
-against their safetensors header. Every read is counted (``bytes_read``) so benchmarks can report read
-amplification.
+:class:`ChunkReader` reads data files through a :class:`~hyperdcp.storage.base.Storage` (local
+directories: :class:`~hyperdcp.storage.local.LocalStorage`, each file opened once per load, never through
+a symlink; a HuggingFace hub snapshot's links into its own ``blobs/`` are resolved by the source
+beforehand and passed as ``links``), checked against the size the metadata records and, for verifiable
+sources, against their safetensors header. Every read is counted (``bytes_read``) so benchmarks can
+report read amplification.
 """
 
 from __future__ import annotations
@@ -25,77 +26,83 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Callable, ClassVar
 
-from ..errors import CheckpointError, CorruptionError, StorageError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptionError, StorageError
 from ..format.metadata import Metadata
 from ..format.record_v2 import is_index_file
+from ..storage.base import Storage
 from ..storage.commit import read_metadata_bytes
 from ..storage.data_file import chunk_name, read_header
-from ..storage.local import pread_full
-from ..storage.safe_open import open_dir, open_regular
+from ..storage.local import LocalStorage
 
 
 class ChunkReader:
-    """Ranged reads of the data files of one source under ``root`` (a local directory).
+    """Ranged reads of the data files of one source under ``root`` (a local directory), through a Storage.
 
-    ``check_headers``: compare each file's safetensors header with the metadata (hyperdcp-written files;
-    foreign sources have headers of their own). ``links``: file index -> an already validated absolute
-    path to open instead of ``root/name`` (HuggingFace hub snapshots).
+    Every byte goes through ``storage`` (default: the :class:`~hyperdcp.storage.local.LocalStorage` of
+    ``root``: files opened once, ``O_NOFOLLOW`` relative to the directory, read with ``preadv`` straight
+    into the caller's buffer). ``check_headers``: compare each file's safetensors header with the metadata
+    (hyperdcp-written files; foreign sources have headers of their own). ``links``: file index -> an
+    already validated absolute path to read instead of ``root/name`` (HuggingFace hub snapshots), read
+    through the LocalStorage of its directory.
+
+    Call order: ``fd(fidx)`` (checks the file once: size, header; a no-op afterwards) ->
+    ``read_into(fidx, offset, out, what)`` ... -> ``close()``. Safe to use from several threads.
     """
 
     def __init__(self, root: str, metadata: Metadata, *, check_headers: bool = True,
-                 links: dict[int, str] | None = None):
+                 links: dict[int, str] | None = None, storage: Storage | None = None):
         self.root = os.fspath(root)
         self.meta = metadata
         self.check_headers = check_headers
         self.links = links or {}
-        self._fds: dict[int, int] = {}
+        self.storage = storage if storage is not None else LocalStorage(self.root)
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.reads = 0
         self._by_file: dict[int, dict[str, tuple]] | None = None
-        self._dir_fd: int | None = None
+        self._where: dict[int, tuple[Storage, str]] = {}  # checked file index -> (its storage, its name there)
+        self._link_dirs: dict[str, LocalStorage] = {}  # directory of linked files -> its storage
 
     def path(self, fidx: int) -> str:
         """The path of data file ``fidx`` (for messages)."""
         return os.path.join(self.root, self.meta.files[fidx].name)
 
-    def _dir(self) -> int:
-        """The checkpoint directory, opened once per load: every data file is opened relative to it."""
-        if self._dir_fd is None:
-            self._dir_fd = open_dir(self.root)
-        return self._dir_fd
+    def _located(self, fidx: int) -> tuple[Storage, str]:
+        """The storage holding data file ``fidx`` and its name there (a linked file: its directory's)."""
+        link = self.links.get(fidx)
+        if link is None:
+            return self.storage, self.meta.files[fidx].name
+        parent, name = os.path.split(link)
+        st = self._link_dirs.get(parent)
+        if st is None:
+            st = self._link_dirs[parent] = LocalStorage(parent)
+        return st, name
 
     def fd(self, fidx: int) -> int:
-        """Open and check data file ``fidx`` once (size, header); its descriptor."""
+        """Check data file ``fidx`` once (it exists, is a regular file of the recorded size, and its header
+        matches); returns ``fidx`` (the handle :meth:`read_into` takes)."""
+        if fidx in self._where:
+            return fidx
         with self._lock:
-            fd = self._fds.get(fidx)
-            if fd is not None:
-                return fd
+            if fidx in self._where:
+                return fidx
             path = self.path(fidx)
-            name = self.meta.files[fidx].name
+            st, name = self._located(fidx)
             try:
                 # no-follow, non-blocking (a FIFO planted under a data file's name cannot hang the open),
-                # regular files only
-                if fidx in self.links:
-                    fd, size = open_regular(self.links[fidx], "data file", missing=FileNotFoundError)
-                else:
-                    fd, size = open_regular(path, "data file", dir_fd=self._dir(), name=name, missing=FileNotFoundError)
-            except FileNotFoundError:
+                # regular files only: LocalStorage opens every file that way
+                size = st.size(name, "data file")
+            except CheckpointNotFoundError:
                 raise self._missing(path) from None
             want = self.meta.files[fidx].nbytes
             if size != want:
-                os.close(fd)
                 raise CorruptionError(
                     f"data file {path} has {size} bytes but the metadata records {want} (truncated or replaced)"
                 )
-            try:
-                if self.check_headers:  # hyperdcp-written files (not foreign sources)
-                    self._check_header(fidx, fd, path)
-            except BaseException:
-                os.close(fd)
-                raise
-            self._fds[fidx] = fd
-            return fd
+            if self.check_headers:  # hyperdcp-written files (not foreign sources)
+                self._check_header(fidx, lambda n, off: st.fetch(name, off, n), path)
+            self._where[fidx] = (st, name)
+            return fidx
 
     def _missing(self, path: str) -> Exception:
         """A data file the metadata lists is gone: a concurrent overwrite, or real damage.
@@ -115,14 +122,15 @@ class ChunkReader:
             )
         return CorruptionError(f"data file {path} is missing; the checkpoint is damaged")
 
-    def _check_header(self, fidx: int, fd: int, path: str) -> None:
+    def _check_header(self, fidx: int, pread: Callable[[int, int], bytes], path: str) -> None:
         """The file's safetensors header must describe exactly the chunks the metadata puts in it.
 
-        The header is not covered by the chunk checksums, so this is what turns a damaged header into
-        an error naming the file instead of a checkpoint that no longer opens with other tools.
+        ``pread(n, offset)`` reads the file (not counted in ``bytes_read``). The header is not covered by the
+        chunk checksums, so this is what turns a damaged header into an error naming the file instead of a
+        checkpoint that no longer opens with other tools.
         """
         file_meta: dict = {}
-        entries, _ = read_header(fd, self.meta.files[fidx].nbytes, f"data file {path}", file_meta)
+        entries, _ = read_header(pread, self.meta.files[fidx].nbytes, f"data file {path}", file_meta)
         if file_meta.get("format") != "hyperdcp":
             raise CorruptionError(
                 f"data file {path}: its header's __metadata__ is {file_meta!r}, not {{'format': 'hyperdcp'}}; the "
@@ -148,21 +156,22 @@ class ChunkReader:
 
     def read_into(self, fidx: int, offset: int, out, what: str = "") -> None:
         """Fill ``out`` (a writable bytes-like) from ``offset``; a short read is corruption."""
-        path = self.path(fidx)
-        done = pread_full(self.fd(fidx), out, offset, f"data file {path}", path, what)
+        self.fd(fidx)
+        st, name = self._where[fidx]
+        st.read_into(name, offset, out, what)
+        n = memoryview(out).nbytes
         with self._lock:
-            self.bytes_read += done
+            self.bytes_read += n
             self.reads += 1
 
     def close(self) -> None:
-        """Close every file this reader opened."""
+        """Close every file this reader opened (its storages reopen them on a later read)."""
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-            if self._dir_fd is not None:
-                os.close(self._dir_fd)
-                self._dir_fd = None
+            self._where.clear()
+            stores = [self.storage, *self._link_dirs.values()]
+            self._link_dirs.clear()
+        for st in stores:
+            st.close()
 
 
 def rename_keys(meta: Metadata, key_map: Callable[[str], str | None]) -> Metadata:

@@ -73,7 +73,7 @@ class RemoteFiles(DataFiles):
         self.storage = storage if storage is not None else storage_for(os.fspath(root).rstrip("/"))
         if storage is None and hasattr(self.storage, "max_request_bytes") and max_request_bytes != MAX_REQUEST_BYTES:
             self.storage.max_request_bytes = max(1, int(max_request_bytes))  # type: ignore[attr-defined]
-        super().__init__(root, metadata)
+        super().__init__(root, metadata, storage=self.storage)
         self.url = self.root.rstrip("/")
         self._checked: set[int] = set()
         self._file_locks: dict[int, threading.Lock] = {}

@@ -203,7 +203,7 @@ def _from_pickle(root: str, md: tp.Metadata) -> tuple[Metadata, dict[str, str], 
             located.setdefault(fqn, []).append((job[5], job[6], fidx[job[2]], *res))
     tensors: dict[str, TensorMeta] = {}
     crc: dict[tuple[str, int], int] = {}
-    for fqn, (dt, size, n) in shapes.items():
+    for fqn, (dt, size, _n) in shapes.items():
         if fqn in unreadable:
             continue
         rows = located.get(fqn, [])

@@ -16,7 +16,7 @@ import threading
 from ..errors import CheckpointExistsError, CorruptionError, StorageError
 from .base import FileWriter, SaveFiles, SaveStaging, Storage
 from .local_commit import _OLD, _TMP, SaveTarget, _rmtree, fsync_dir
-from .safe_open import open_dir, open_regular, read_regular
+from .safe_open import open_dir, open_regular, pread_exact, read_regular
 
 _WRITE_SLICE = 64 << 20
 #: marks a checkpoint being deleted (renamed out of the listing first): ``.<name>.hyperdcp-trash-<token>``
@@ -169,10 +169,16 @@ class LocalStorage(Storage):
         return self._open(name, what)[1]
 
     def read_into(self, name: str, offset: int, out, what: str = "") -> None:
-        done = pread_full(self._open(name, "data file")[0], out, offset, self.path(name), self.path(name), what)
+        path = self.path(name)
+        done = pread_full(self._open(name, "data file")[0], out, offset, f"data file {path}", path, what)
         with self._lock:
             self.bytes_read += done
             self.reads += 1
+
+    def fetch(self, name: str, offset: int, n: int) -> bytes:
+        """Bytes [offset, offset + n) of ``name`` (fewer at its end), not counted in ``bytes_read``:
+        ``pread`` calls on the file opened once (headers; no counter is touched, so concurrent reads keep theirs)."""
+        return pread_exact(self._open(name, "data file")[0], n, offset, f"data file {self.path(name)}")
 
     def read_all(self, name: str, limit: int, what: str = "file") -> bytes:
         with self._lock:

@@ -6,7 +6,8 @@
 * :func:`local_save_path` / :func:`save_path`: where a save may go (local paths, and ``s3://`` URLs for
   :func:`save_path`; other URLs raise :class:`~hyperdcp.errors.UnsupportedStorageError`);
 * :func:`storage_for`: the :class:`~hyperdcp.storage.base.Storage` of a path or URL: local,
-  :class:`~.object_store.ObjectStorage` for ``s3://``, :class:`~.fsspec.FsspecStorage` (read-only) otherwise;
+  :class:`~.object_store.ObjectStorage` for ``s3://``, the registered one for a scheme of
+  :func:`~.schemes.register_storage`, :class:`~.fsspec.FsspecStorage` (read-only) otherwise;
 * :func:`storage_options_scope`: the ``storage_options`` every storage made inside it gets (what
   ``hyperdcp.load(..., storage_options=)`` uses so that the sources need no extra argument).
 """
@@ -71,7 +72,8 @@ def local_save_path(path: str | os.PathLike) -> str:
         raise UnsupportedStorageError(
             f"cannot save to {path!r}: saving to remote storage is not supported yet; save to a local (or mounted) "
             "directory and upload it (e.g. with your storage's CLI or fsspec's put(..., recursive=True)); "
-            "hyperdcp.load reads it back from the URL"
+            "hyperdcp.load reads it back from the URL. Or serve the URL's scheme with a Storage of your own "
+            "(hyperdcp.storage.register_storage)"
         )
     return local_path(path)
 
@@ -81,10 +83,18 @@ def is_object_store(path: str | os.PathLike) -> bool:
     return isinstance(path, str) and _protocol(path) in OBJECT_PROTOCOLS
 
 
+def is_registered(path: str | os.PathLike) -> bool:
+    """True for a URL whose scheme has a storage of its own (:func:`~.schemes.register_storage`)."""
+    from .schemes import registered
+
+    return isinstance(path, str) and _protocol(path) in registered()
+
+
 def save_path(path: str | os.PathLike) -> str:
-    """What a save writes to: an ``s3://`` URL as given, else the local directory (:func:`local_save_path`)."""
+    """What a save writes to: an ``s3://`` URL or one of a registered scheme (:mod:`.schemes`) as given, else
+    the local directory (:func:`local_save_path`)."""
     path = os.fspath(path)
-    return path.rstrip("/") if is_object_store(path) else local_save_path(path)
+    return path.rstrip("/") if is_object_store(path) or is_registered(path) else local_save_path(path)
 
 
 @contextmanager
@@ -102,9 +112,15 @@ def storage_options_scope(options: dict | None) -> Iterator[None]:
 
 def storage_for(path: str | os.PathLike, storage_options: dict | None = None) -> Storage:
     """:class:`~.local.LocalStorage` for a plain path or ``file://`` URL, :class:`~.object_store.ObjectStorage`
-    for ``s3://`` URLs, :class:`~.fsspec.FsspecStorage` for other URLs. ``storage_options``: the client's
+    for ``s3://`` URLs, the registered storage for a scheme of :func:`~.schemes.register_storage`,
+    :class:`~.fsspec.FsspecStorage` for other URLs. ``storage_options``: the client's
     configuration (default: the enclosing :func:`storage_options_scope`, else the client's own)."""
     path = os.fspath(path)
+    from .schemes import factory_for
+
+    custom = factory_for(_protocol(path))
+    if custom is not None:  # a scheme registered with register_storage
+        return custom(path, storage_options if storage_options is not None else _OPTIONS.get())
     if is_object_store(path):
         from .object_store import ObjectStorage
 
@@ -118,5 +134,5 @@ def storage_for(path: str | os.PathLike, storage_options: dict | None = None) ->
     return LocalStorage(local_path(path))
 
 
-__all__ = ["LOCAL_PROTOCOLS", "OBJECT_PROTOCOLS", "is_object_store", "is_remote", "local_path", "local_save_path",
-           "save_path", "storage_for", "storage_options_scope", "url_join"]
+__all__ = ["LOCAL_PROTOCOLS", "OBJECT_PROTOCOLS", "is_object_store", "is_registered", "is_remote", "local_path",
+           "local_save_path", "save_path", "storage_for", "storage_options_scope", "url_join"]

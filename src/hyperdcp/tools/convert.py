@@ -1,9 +1,11 @@
 """Conversions between HuggingFace safetensors and hyperdcp, streaming.
 
-hf -> hyperdcp copies each tensor in bounded pieces (checksummed as written) and commits like any save;
-hyperdcp (or any source) -> hf assembles one tensor at a time through the verified reader, several
-tensors in flight under a byte budget, each written at its precomputed offset in its shard. Both read
-through :func:`hyperdcp.sources.open_source`, so hub snapshots are accepted as sources.
+hf -> hyperdcp copies each tensor in bounded pieces (checksummed as written), appended in order through
+the destination's :class:`~hyperdcp.storage.base.Storage` (a local directory, ``s3://``), and commits like
+any save; hyperdcp (or any source) -> hf (a local directory) assembles one tensor at a time through the
+verified reader, several tensors in flight under a byte budget, each written at its precomputed offset in
+its shard. Both read through :func:`hyperdcp.sources.open_source`, so hub snapshots are accepted as
+sources.
 
     hf_to_hyperdcp("hf-model/", "ckpt/step-0")
     hyperdcp_to_hf("ckpt/step-100", "export/", include=["model."], strip_prefix="model.")
@@ -11,29 +13,34 @@ through :func:`hyperdcp.sources.open_source`, so hub snapshots are accepted as s
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import secrets
 import struct
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from ..core import dtypes
 from ..core.boxes import full_box
-from ..errors import CheckpointExistsError, FormatError, MismatchError, StorageError
+from ..errors import CheckpointExistsError, FormatError, MismatchError, StorageError, UnsupportedStorageError
 from ..format.metadata import METADATA_FILE, ChunkTable, FileMeta, Metadata, TensorMeta
 from ..format.record_v2 import index_file_name
+from ..format.safetensors import data_file_name, save_token
 from ..loading.reads import read_box
 from ..results import ConvertResult
 from ..sources.base import open_source, rename_keys
 from ..sources.huggingface import INDEX_FILE, INDEX_SUFFIX, SINGLE_FILE, HuggingFaceSource
+from ..storage.base import SaveFiles
 from ..storage.checksum import block_digests
 from ..storage.data_file import MAX_HEADER_BYTES, ChunkToWrite, build_header
+from ..storage.local import LocalStorage
 from ..storage.threads import run_all
+from ..storage.urls import is_remote, save_path, storage_for
 from ._units import FLOAT_CODES, ByteBudget, Progress, parse_dtype, parse_size
 
 
@@ -55,54 +62,96 @@ def _pread_into(fd: int, mv: memoryview, offset: int, path: str) -> None:
         done += n
 
 
-
 # -- HF -> hyperdcp ----------------------------------------------------------------------------
+def _stream_file(files: SaveFiles, name: str, header: bytes, pieces: Sequence, read: Callable, done: Callable,
+                 threads: int, piece_bytes: int) -> None:
+    """Write data file ``name`` through ``files``: ``header``, then every piece in order.
+
+    ``read(piece, buf) -> (n, extra)`` fills ``buf[:n]`` with the piece on one of ``threads`` threads, up to
+    ``threads`` pieces ahead of the writer, which appends them in file order and calls ``done(piece, n,
+    extra)`` after each: the file is one sequential stream whatever the storage (a local file, an object
+    upload) and memory stays at ``threads`` buffers of ``piece_bytes``.
+    """
+    window = max(1, threads)
+    with files.create(name, "data file") as w, ThreadPoolExecutor(window, thread_name_prefix="hyperdcp-convert") as ex:
+        w.write(header)
+        free: list[np.ndarray] = []
+        pending: collections.deque = collections.deque()
+
+        def write_oldest() -> None:
+            fut, piece, buf = pending.popleft()
+            n, extra = fut.result()
+            w.write(memoryview(buf)[:n])
+            free.append(buf)
+            done(piece, n, extra)
+
+        try:
+            for piece in pieces:
+                if len(pending) >= window:
+                    write_oldest()
+                buf = free.pop() if free else np.empty(piece_bytes, np.uint8)
+                pending.append((ex.submit(read, piece, buf), piece, buf))
+            while pending:
+                write_oldest()
+        except BaseException:
+            for fut, _, _ in pending:
+                fut.cancel()
+            raise
+
+
 def hf_to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False, threads: int = 4,
-              buffer_bytes: int = 16 << 20, checksum_block_bytes: int | None = None, quiet: bool = True) -> ConvertResult:
+              buffer_bytes: int = 16 << 20, checksum_block_bytes: int | None = None, quiet: bool = True,
+              storage_options: dict | None = None) -> ConvertResult:
     """Convert an HF safetensors file/directory into a hyperdcp checkpoint at ``dst``, streaming.
 
-    Each source shard becomes one data file; tensors are copied in pieces of ``buffer_bytes`` by
-    ``threads`` threads (memory: about threads x buffer_bytes), checksummed as written, then committed
-    atomically like any save.
+    Each source shard becomes one data file, written through ``dst``'s
+    :class:`~hyperdcp.storage.base.Storage` like any save (a local directory: a temporary directory,
+    fsyncs and an atomic swap; ``s3://``: objects under a per-save token, the commit record last):
+    tensors are read in pieces of ``buffer_bytes`` by ``threads`` threads (memory: about threads x
+    buffer_bytes), checksummed, appended in order, then committed.
 
     Args:
         src: a ``.safetensors`` file, a model directory (with or without an index) or a hub snapshot.
-        dst: the checkpoint directory to create.
+        dst: the checkpoint to create: a directory, an ``s3://`` URL, or a URL of a scheme registered
+            with :func:`~hyperdcp.storage.register_storage`.
         overwrite: replace an existing checkpoint at ``dst`` (atomically, as a save does).
         threads, buffer_bytes: copy parallelism and piece size.
         checksum_block_bytes: checksum block size (default: the format's).
         quiet: no progress bar.
+        storage_options: the storage's options for a URL ``dst`` (as for :func:`hyperdcp.save`).
 
     Returns:
         a :class:`~hyperdcp.ConvertResult` (tensors, bytes, files written, seconds).
 
     Raises:
         CheckpointExistsError: ``dst`` exists and ``overwrite`` is False; FormatError: a damaged source
-        file; StorageError: ``dst`` is ``src``'s own directory, or a write failed.
+        file; StorageError: ``dst`` is ``src``'s own directory, or a write failed;
+        UnsupportedStorageError: ``dst`` is a URL hyperdcp cannot save to.
 
     Example::
 
         hf_to_hyperdcp("models/llama", "ckpt/step-0")
+        hf_to_hyperdcp("models/llama", "s3://bucket/ckpt/step-0")
     """
     from ..format.metadata import DEFAULT_BLOCK_BYTES
-    from ..storage.commit import SaveTarget
 
     t0 = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
-    from ..storage.urls import local_save_path
-
-    dst = local_save_path(dst)  # URLs: UnsupportedStorageError (convert locally, then upload or hyperdcp.save)
+    dst = save_path(dst)  # a local directory, or a URL hyperdcp saves to (others: UnsupportedStorageError)
     source = HuggingFaceSource.open(src)
     meta = source.metadata
-    if os.path.realpath(dst) == os.path.realpath(source.root):
+    if not is_remote(dst) and os.path.realpath(dst) == os.path.realpath(source.root):
         raise StorageError(f"cannot convert {src!r} into its own directory; choose another destination")
+    storage = storage_for(dst, storage_options)
     B = checksum_block_bytes or DEFAULT_BLOCK_BYTES
-    piece = max(B, buffer_bytes // B * B)
-    target = SaveTarget(dst, overwrite=overwrite)
+    piece_bytes = max(B, buffer_bytes // B * B)
     out_files: list[FileMeta] = []
     tensors: dict[str, TensorMeta] = {}
+    reader = source.reader()
+    staging = None
     try:
-        tmp = target.prepare()
+        staging = storage.begin_save(overwrite=overwrite)
+        token = save_token(os.path.basename(staging.location.rstrip("/")))  # as a save names its files
         by_file: dict[int, list[str]] = {}
         for name, t in meta.tensors.items():
             if t.nbytes:
@@ -112,86 +161,61 @@ def hf_to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool
                 z = np.zeros(0, np.int64)
                 tensors[name] = TensorMeta(t.dtype, t.shape, ChunkTable(np.zeros((0, nd), np.int64),
                                                                         np.zeros((0, nd), np.int64), z, z, z, []))
-        jobs = []  # (src fi, out fd, out path, dst begin, name)
-        fds: list[tuple[int, int, str]] = []
+        progress = Progress(sum(t.nbytes for t in meta.tensors.values()), "hf -> hyperdcp", quiet)
+        digests: dict[str, list[str]] = {}  # tensor -> the block checksums of its pieces, in order
+
+        def read(piece: tuple, buf: np.ndarray) -> tuple[int, str]:  # a copy thread: read and checksum a piece
+            fi, name, off, n = piece
+            mv = memoryview(buf)[:n]
+            reader.read_into(fi, int(meta.tensors[name].chunks.begin[0]) + off, mv, f"tensor {name!r}")
+            return n, block_digests(mv, B)
+
+        def done(piece: tuple, n: int, sums: str) -> None:  # the writer, in file order
+            digests[piece[1]].append(sums)
+            progress.update(n)
+
         try:
             for k, (fi, names) in enumerate(sorted(by_file.items())):
                 names.sort(key=lambda n: int(meta.tensors[n].chunks.begin[0]))
-                out_name = f"hf{k:05d}.safetensors"
-                path = os.path.join(tmp, out_name)
+                out_name = data_file_name(0, k, token)
                 stubs = [ChunkToWrite(n, meta.tensors[n].dtype, meta.tensors[n].shape,
                                       SimpleNamespace(size=meta.tensors[n].nbytes)) for n in names]
                 header, starts = build_header(stubs)
-                total = len(header) + sum(s.data.size for s in stubs)
-                src_fd, _ = source.open_file(meta.files[fi].name)
-                fds.append((src_fd, -1, ""))
-                try:
-                    out_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-                except OSError as e:
-                    raise StorageError(f"cannot create data file {path}: {e.strerror or e}") from e
-                fds[-1] = (src_fd, out_fd, path)
-                _pwrite_all(out_fd, memoryview(header), 0, path)
-                os.ftruncate(out_fd, total)
-                for n, s in zip(names, starts):
-                    jobs.append((len(fds) - 1, len(out_files), len(header) + s, n))
+                total = len(header) + sum(st.data.size for st in stubs)
+                pieces = [(fi, n, off, min(piece_bytes, meta.tensors[n].nbytes - off))
+                          for n in names for off in range(0, meta.tensors[n].nbytes, piece_bytes)]
+                digests.update({n: [] for n in names})
+                _stream_file(staging, out_name, header, pieces, read, done, threads, piece_bytes)
+                for n, s0 in zip(names, starts):
+                    t = meta.tensors[n]
+                    ch, begin = t.chunks, len(header) + s0
+                    tensors[n] = TensorMeta(t.dtype, t.shape, ChunkTable(
+                        ch.offsets.copy(), ch.lengths.copy(), np.array([k], np.int64), np.array([begin], np.int64),
+                        np.array([begin + t.nbytes], np.int64), ["".join(digests[n])]))
                 out_files.append(FileMeta(out_name, total))
-            progress = Progress(sum(meta.tensors[j[3]].nbytes for j in jobs), "hf -> hyperdcp", quiet)
-            local = threading.local()
-            sums: dict[str, str] = {}
-
-            def copy(job) -> None:
-                k, out_fi, out_begin, name = job
-                src_fd, out_fd, path = fds[k]
-                t = meta.tensors[name]
-                if not hasattr(local, "buf"):
-                    local.buf = np.empty(piece, np.uint8)
-                size, begin = t.nbytes, int(t.chunks.begin[0])
-                digests, done = [], 0
-                while done < size:
-                    n = min(piece, size - done)
-                    mv = memoryview(local.buf)[:n]
-                    _pread_into(src_fd, mv, begin + done, source.file_path(meta.files[meta.tensors[name].chunks.file[0]].name))
-                    digests.append(block_digests(mv, B))
-                    _pwrite_all(out_fd, mv, out_begin + done, path)
-                    done += n
-                    progress.update(n)
-                sums[name] = "".join(digests)
-                ch = t.chunks
-                tensors[name] = TensorMeta(t.dtype, t.shape, ChunkTable(
-                    ch.offsets.copy(), ch.lengths.copy(), np.array([out_fi], np.int64),
-                    np.array([out_begin], np.int64), np.array([out_begin + size], np.int64), [sums[name]]))
-
-            try:
-                jobs.sort(key=lambda j: -meta.tensors[j[3]].nbytes)  # big first: balances threads
-                run_all(copy, jobs, threads)
-            finally:
-                progress.close()
-            for _, out_fd, path in fds:
-                try:
-                    os.fsync(out_fd)
-                except OSError as e:
-                    raise StorageError(f"fsync of {path} failed: {e.strerror or e}") from e
         finally:
-            for src_fd, out_fd, _ in fds:
-                os.close(src_fd)
-                if out_fd >= 0:
-                    os.close(out_fd)
+            progress.close()
         ordered = {n: tensors[n] for n in meta.tensors}
         user = {"converted_from": "huggingface-safetensors", **({"hf_metadata": meta.user["hf_metadata"]}
                                                                    if meta.user.get("hf_metadata") else {})}
         out = Metadata(world_size=1, files=out_files, tensors=ordered, values={}, checksum_block_bytes=B, user=user)
-        index_name = index_file_name(secrets.token_hex(6))
+        index_name = index_file_name(token)
         record, index = out.encode(index_name)  # format 2 for large models: the index first, the record last
         if index is not None:
-            _write_small(os.path.join(tmp, index_name), index)
-        target.commit(record)
+            with staging.create(index_name, "chunk index") as w:
+                w.write(index)
+        staging.commit(record)
     except BaseException:
-        target.abort()
+        if staging is not None:
+            staging.abort()
         raise
     finally:
-        target.release()
-    return ConvertResult(src, os.path.abspath(dst), len(meta.tensors), meta.tensor_bytes,
-                         [f.name for f in out_files], time.perf_counter() - t0)
+        if staging is not None:
+            staging.release()
+        reader.close()
+    where = storage.root if isinstance(storage, LocalStorage) else storage.url
+    return ConvertResult(src, where, len(meta.tensors), meta.tensor_bytes, [f.name for f in out_files],
+                         time.perf_counter() - t0)
 
 
 # -- hyperdcp (or any source) -> HF ------------------------------------------------------------
@@ -310,6 +334,10 @@ def dcp_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size:
 
     t0 = time.perf_counter()
     src, dst = os.fspath(src), os.fspath(dst)
+    if is_remote(dst):
+        raise UnsupportedStorageError(
+            f"cannot export to {dst!r}: hyperdcp-to-hf writes HF files into a local (or mounted) directory; export "
+            "there and upload the directory, or keep a hyperdcp checkpoint at the URL (hf-to-hyperdcp writes to s3://)")
     source = open_source(src)
     src_meta = source.metadata
     meta, origin = select_keys(src_meta, include, exclude, strip_prefix, where=repr(src))
