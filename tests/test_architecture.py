@@ -5,7 +5,7 @@ under src/hyperdcp, function-level imports included (a lazy import is still an a
 
 * imports go down the layers only; siblings of one layer (``a | b``) do not import each other;
 * only hyperdcp.adapters.*, hyperdcp.coordination.torch_dist, hyperdcp.coordination.jax_dist,
-  hyperdcp.coordination.mindspore_dist, hyperdcp.sources.torch_dcp, hyperdcp.tools.convert_torch_dcp (writing
+  hyperdcp.coordination.mindspore_dist, hyperdcp.tools.convert_torch_dcp (writing
   torch DCP checkpoints) and hyperdcp.cli.demo import torch, jax or mindspore (imports under ``if TYPE_CHECKING:``
   are exempt);
 * hyperdcp.planning and hyperdcp.format import neither hyperdcp.storage nor hyperdcp.coordination.
@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 FRAMEWORKS = ("torch", "jax", "mindspore")
 FRAMEWORK_HOMES = ("hyperdcp.adapters", "hyperdcp.coordination.torch_dist", "hyperdcp.coordination.jax_dist",
-                   "hyperdcp.coordination.mindspore_dist", "hyperdcp.sources.torch_dcp", "hyperdcp.cli.demo",
+                   "hyperdcp.coordination.mindspore_dist", "hyperdcp.cli.demo",
                    "hyperdcp.tools.convert_torch_dcp")
 PURE = ("hyperdcp.planning", "hyperdcp.format")
 IMPURE = ("hyperdcp.storage", "hyperdcp.coordination")
