@@ -97,7 +97,8 @@ def _diff(a: dict, b: dict) -> dict:
 def _floor_up(rank: int, nbytes: int, part: int) -> None:
     from hyperdcp.storage.object_store import ObjectStorage
 
-    st = ObjectStorage("s3://bench/floor", part_bytes=part)
+    # the floor: plain parallel multipart uploads (single_put_bytes=0: multipart past one part)
+    st = ObjectStorage("s3://bench/floor", {"single_put_bytes": 0}, part_bytes=part)
     data = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20) + bytearray(nbytes % (1 << 20)))
     with st.begin_in_place(rank).create(f"r{rank:05d}-000000000000-00.safetensors") as w:
         w.write(data)  # the writer sends 4 parts at a time, as hyperdcp's saves do

@@ -251,6 +251,49 @@ def test_adjacent_reads_of_one_file_are_one_request_with_the_same_bytes(s3):
     files.close()
 
 
+def test_a_files_first_read_and_its_header_check_are_one_request(s3):
+    """The first read of a data file, when it starts at the file's first tensor and fits one request, comes
+    with the file's size and header check in one ranged GET; the same bytes reach the reader, a corrupt
+    header is still refused, and reads elsewhere in a file still check it first with a GET of its own."""
+    from hyperdcp.loading.coalesced_reads import CoalescedReads
+    from hyperdcp.sources.remote import RemoteFiles, load_remote_metadata
+
+    url = f"s3://{s3.bucket}/first"
+    a, b = np.arange(300_000, dtype=np.float32), np.arange(200_000, dtype=np.int64)
+    hyperdcp.save({"a": a, "b": b}, url)
+    meta = load_remote_metadata(url)
+    spans = [(int(c.file[0]), int(c.begin[0]), int(c.end[0] - c.begin[0])) for c in (meta.tensors[k].chunks for k in "ab")]
+    files = RemoteFiles(url, meta)
+    reads = CoalescedReads(files, spans, 16 << 20)
+    got = [np.empty(n, np.uint8) for _, _, n in spans]
+    for (f, off, n), out in zip(spans, got):
+        reads.fd(f, (off, n))
+        reads.read_into(f, off, out)
+    assert files.requests == 1  # the check, a's bytes and b's bytes: one GET
+    assert got[0].view(np.float32).tolist() == a.tolist() and got[1].view(np.int64).tolist() == b.tolist()
+    assert files.bytes_read == spans[0][2] + spans[1][2] and files.header_bytes_read == spans[0][1]
+    files.close()
+
+    later = RemoteFiles(url, meta)  # a reader of b only: b starts 1.2 MB into the file, so folding its read into
+    f, off, n = spans[1]           # the check would fetch a's bytes for nothing: a check GET, then b's GET
+    out = np.empty(n, np.uint8)
+    later.fd(f, (off, n))
+    later.read_into(f, off, out)
+    assert later.requests == 2 and out.view(np.int64).tolist() == b.tolist() and later.bytes_read == n
+    assert later.header_bytes_read < off
+    later.close()
+
+    name = meta.files[spans[0][0]].name  # a header that no longer matches the record is refused, fold or not
+    key = f"first/{name}"
+    raw = bytearray(s3.boto().get_object(Bucket=s3.bucket, Key=key)["Body"].read())
+    raw[10:12] = b"XX"
+    s3.boto().put_object(Bucket=s3.bucket, Key=key, Body=bytes(raw))
+    bad = RemoteFiles(url, meta)
+    with pytest.raises(hyperdcp.CheckpointError, match=name):
+        bad.fd(spans[0][0], (spans[0][1], spans[0][2]))
+    bad.close()
+
+
 def test_convert_hf_into_s3_then_inspect_diff_and_verify_the_format_2_checkpoint(s3, tmp_path, monkeypatch, capsys):
     """hf-to-hyperdcp writes through the destination's Storage: into a bucket it uploads per-save objects and
     the record last; the result loads back bit-exact. It is a format-2 checkpoint (a binary chunk index object),

@@ -54,8 +54,9 @@ class CoalescedReads:
         """Spans read together (for tests and profiles)."""
         return len({id(r) for r in self._runs.values()})
 
-    def fd(self, fidx: int) -> int:
-        return self.files.fd(fidx)
+    def fd(self, fidx: int, first: tuple[int, int] | None = None) -> int:
+        run = None if first is None else self._runs.get((fidx, first[0], first[1]))
+        return self.files.fd(fidx, first if run is None else (run.start, run.end - run.start))
 
     def path(self, fidx: int) -> str:
         return self.files.path(fidx)

@@ -62,7 +62,9 @@ class RemoteFiles(DataFiles):
     """Ranged, verified reads of a checkpoint's data files through the URL's :class:`Storage`.
 
     Each file is checked once, before its first read: its size must equal the metadata's and its
-    safetensors header must describe exactly the chunks the metadata puts in it. ``bytes_read`` and
+    safetensors header must describe exactly the chunks the metadata puts in it. When the first read
+    (``fd(fidx, first=...)``) starts near the file's beginning and fits one request, the check and that read
+    are one ranged GET: the bytes are kept for the :meth:`read_into` of that range that follows. ``bytes_read`` and
     ``reads`` count the data reads (bytes requested from storage, one per :meth:`read_into`), as
     ``ChunkReader`` does; the header checks are counted apart in ``header_bytes_read``, and ``requests``
     counts every request the storage made. Safe to use from several threads.
@@ -77,12 +79,14 @@ class RemoteFiles(DataFiles):
         self.url = self.root.rstrip("/")
         self._checked: set[int] = set()
         self._file_locks: dict[int, threading.Lock] = {}
+        self._fetched: dict[tuple[int, int, int], bytes] = {}  # a first read fetched with its file's check
+        self._fetched_bytes = 0
         self.header_bytes_read = 0
 
     @property
     def bytes_read(self) -> int:  # type: ignore[override]
         """Data bytes the storage delivered to :meth:`read_into` (header checks apart)."""
-        return self.storage.bytes_read
+        return self.storage.bytes_read + self._fetched_bytes
 
     @bytes_read.setter
     def bytes_read(self, value: int) -> None:
@@ -96,25 +100,35 @@ class RemoteFiles(DataFiles):
         """The URL of data file ``fidx`` (for messages)."""
         return url_join(self.url, self.meta.files[fidx].name)
 
-    def fd(self, fidx: int) -> int:
-        """Check data file ``fidx`` (once) and return a handle for it (``fidx`` itself)."""
+    def fd(self, fidx: int, first: tuple[int, int] | None = None) -> int:
+        """Check data file ``fidx`` (once) and return a handle for it (``fidx`` itself); ``first``: the
+        ``(offset, nbytes)`` about to be read (see the class docstring)."""
         if fidx in self._checked:
             return fidx
         with self._lock:
             lock = self._file_locks.setdefault(fidx, threading.Lock())
         with lock:  # one check per file; different files are checked concurrently
             if fidx not in self._checked:
-                self._check_file(fidx)
+                limit = int(getattr(self.storage, "max_request_bytes", 0) or 0)
+                fold = first is not None and first[1] > 0 and first[0] <= HEADER_PREFETCH and \
+                    sum(first) <= limit + HEADER_PREFETCH and getattr(self.storage, "probe", None) is not None
+                head = self._check_file(fidx, sum(first) if fold else HEADER_PREFETCH)  # type: ignore[arg-type]
+                if fold and len(head) >= sum(first):  # type: ignore[arg-type]
+                    off, n = first  # type: ignore[misc]
+                    with self._lock:
+                        self._fetched[(fidx, off, n)] = head[off:off + n]
+                        self.header_bytes_read -= n  # data bytes, counted when read_into takes them
                 self._checked.add(fidx)
         return fidx
 
-    def _check_file(self, fidx: int) -> None:
+    def _check_file(self, fidx: int, prefetch: int = HEADER_PREFETCH) -> bytes:
+        """Check file ``fidx``; returns the first bytes fetched with the check (up to ``prefetch``)."""
         url, name = self.path(fidx), self.meta.files[fidx].name
         probe = getattr(self.storage, "probe", None)  # object stores: header bytes and size in one request
         first = b""
         try:
             if probe is not None:
-                first, size = probe(name, HEADER_PREFETCH, "data file")
+                first, size = probe(name, prefetch, "data file")
                 with self._lock:
                     self.header_bytes_read += len(first)
             else:
@@ -135,10 +149,20 @@ class RemoteFiles(DataFiles):
                 return data
 
             self._check_header(fidx, header, url)  # type: ignore[arg-type]
+        return first
 
     def read_into(self, fidx: int, offset: int, out, what: str = "") -> None:
         """Fill ``out`` (a writable bytes-like) from ``offset`` with ranged requests; a short read is corruption."""
-        self.fd(fidx)
+        mv = memoryview(out).cast("B")
+        self.fd(fidx, (offset, len(mv)))
+        with self._lock:
+            got = self._fetched.pop((fidx, offset, len(mv)), None)
+            if got is not None:
+                self._fetched_bytes += len(got)
+                self.reads += 1
+        if got is not None:
+            mv[:] = got
+            return
         self.storage.read_into(self.meta.files[fidx].name, offset, out, what)
         with self._lock:
             self.reads += 1
@@ -147,6 +171,7 @@ class RemoteFiles(DataFiles):
         """Forget the checks and release the storage's handles."""
         with self._lock:
             self._checked.clear()
+            self._fetched.clear()
         self.storage.close()
 
 
