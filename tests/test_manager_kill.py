@@ -5,7 +5,10 @@ A training loop (a forked child of a numpy-only campaign process: no torch, no p
 from the newest step and saves every step under ``keep_last=2, keep_every_steps=5``; it is killed with
 SIGKILL either at a random moment, or at an exact point of a save (before the commit, between writing the
 commit record and the rename, right after the commit) or of a retention (a checkpoint renamed to trash
-and not yet removed, or half removed). After each kill a new manager must:
+and none of it removed yet, or its files removed and its directory not). The kill points are those of a
+storage of the test's own, registered for ``killat://`` (tests/faults/storage.py: around ``staging.commit``,
+and inside ``Storage.delete`` where a seccomp filter stops the removal); no hyperdcp code is patched. After
+each kill a new manager (on the plain path) must:
 
 * restore the newest committed step (the largest step ``hyperdcp.list_checkpoints`` finds), bit-exact,
   never older than the last step the loop saw committed;
@@ -30,7 +33,7 @@ import numpy as np
 
 KEEP_LAST, KEEP_EVERY = 2, 5
 MODES = ("random", "save-before-commit", "save-before-rename", "save-after-commit", "trash-renamed",
-         "trash-half-removed")
+         "trash-emptied")
 
 
 def state_of(step: int) -> dict:
@@ -50,55 +53,18 @@ def manager(root: str):
     return hyperdcp.CheckpointManager(root, keep_last=KEEP_LAST, keep_every_steps=KEEP_EVERY)
 
 
-def _kill_self() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _inject(mode: str, rng: random.Random) -> None:
-    """In the child: SIGKILL itself at the ``nth`` occurrence of the point ``mode`` names."""
-    from hyperdcp.storage import local, local_commit
-
-    nth = [rng.randint(1, 3)]
-
-    def at_nth() -> bool:
-        nth[0] -= 1
-        return nth[0] == 0
-
-    commit, swap, rmtree = local_commit.SaveTarget.commit, local_commit.SaveTarget._swap_in, local._rmtree
-
-    def commit_hook(self, record):
-        if mode == "save-before-commit" and at_nth():
-            _kill_self()
-        commit(self, record)
-        if mode == "save-after-commit" and at_nth():
-            _kill_self()
-
-    def swap_hook(self):
-        if mode == "save-before-rename" and at_nth():  # the record is durable in the temporary directory
-            _kill_self()
-        swap(self)
-
-    def rmtree_hook(path, quiet=False):
-        if at_nth():
-            if mode == "trash-half-removed":
-                files = sorted(os.listdir(path))
-                for f in files[: len(files) // 2 + 1]:
-                    os.unlink(os.path.join(path, f))
-            _kill_self()
-        rmtree(path, quiet)
-
-    local_commit.SaveTarget.commit = commit_hook
-    local_commit.SaveTarget._swap_in = swap_hook
-    if mode.startswith("trash"):
-        local._rmtree = rmtree_hook
-
-
 def _train(root: str, mode: str, seed: int, ack: int) -> None:
-    """The child: resume, then save every step (an acknowledged step is written to fd ``ack``)."""
-    rng = random.Random(seed)
+    """The child: resume, then save every step (an acknowledged step is written to fd ``ack``).
+
+    Its manager runs on ``killat://root``: the root through :class:`tests.faults.storage.KillAtStorage`, which
+    SIGKILLs the process at the ``nth`` time it reaches the point ``mode`` names (no hyperdcp code is patched)."""
+    import hyperdcp
+    from tests.faults import storage as faults
+
+    hyperdcp.storage.register_storage("killat", "tests.faults.storage:KillAtStorage")
     if mode != "random":
-        _inject(mode, rng)
-    mgr = manager(root)
+        os.environ[faults.KILL_AT_ENV] = f"{mode}:{random.Random(seed).randint(1, 3)}"
+    mgr = manager(f"killat://{root}")
     st = state_of(0)
     start = mgr.restore(st) or 0
     for step in range(start + 1, start + 40):
@@ -140,6 +106,8 @@ def campaign(trials: int, root: str) -> list[dict]:
             acked = [int(x) for x in f.read().split()]
         rec = {"mode": mode, "killed": os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL,
                "last_ack": max(acked, default=committed), "hidden_after_kill": _hidden(root)}
+        rec["trash_after_kill"] = [sorted(os.listdir(os.path.join(root, h))) for h in rec["hidden_after_kill"]
+                                   if ".hyperdcp-trash-" in h]
         visible = sorted(e for e in os.listdir(root) if not e.startswith("."))
         rec["visible_incomplete"] = [e for e in visible if not hyperdcp.is_checkpoint(os.path.join(root, e))]
         newest = hyperdcp.list_checkpoints(root)
@@ -187,8 +155,11 @@ def test_kill_during_save_and_retention(tmp_path):
     by_mode = {m: [t for t in trials if t["mode"] == m] for m in MODES}
     for m in ("save-before-commit", "save-before-rename"):
         assert all(any(".hyperdcp-tmp-" in h for h in t["hidden_after_kill"]) for t in by_mode[m]), m
-    for m in ("trash-renamed", "trash-half-removed"):
+    for m in ("trash-renamed", "trash-emptied"):
         assert all(any(".hyperdcp-trash-" in h for h in t["hidden_after_kill"]) for t in by_mode[m]), m
+    # renamed to trash before any removal (the record included), and emptied before its directory went
+    assert all(any("hyperdcp.json" in files for files in t["trash_after_kill"]) for t in by_mode["trash-renamed"])
+    assert all(t["trash_after_kill"] == [[]] for t in by_mode["trash-emptied"])
     # a kill right after the commit: that step is restored although the loop never saw it acknowledged
     assert all(t["restored"] == t["last_ack"] + 1 for t in by_mode["save-after-commit"])
     assert trials[-1]["restored"] > 30  # the run made progress across the kills
