@@ -58,10 +58,8 @@ def _train(root: str, mode: str, seed: int, ack: int) -> None:
 
     Its manager runs on ``killat://root``: the root through :class:`tests.faults.storage.KillAtStorage`, which
     SIGKILLs the process at the ``nth`` time it reaches the point ``mode`` names (no hyperdcp code is patched)."""
-    import hyperdcp
     from tests.faults import storage as faults
 
-    hyperdcp.storage.register_storage("killat", "tests.faults.storage:KillAtStorage")
     if mode != "random":
         os.environ[faults.KILL_AT_ENV] = f"{mode}:{random.Random(seed).randint(1, 3)}"
     mgr = manager(f"killat://{root}")
@@ -80,6 +78,7 @@ def _hidden(root: str) -> list[str]:
 def campaign(trials: int, root: str) -> list[dict]:
     import hyperdcp
 
+    hyperdcp.storage.register_storage("killat", "tests.faults.storage:KillAtStorage")  # the forked children's too
     os.makedirs(root, exist_ok=True)
     rng = random.Random(16)
     out, committed = [], 0  # the newest step the previous trial ended with
@@ -112,6 +111,7 @@ def campaign(trials: int, root: str) -> list[dict]:
         rec["visible_incomplete"] = [e for e in visible if not hyperdcp.is_checkpoint(os.path.join(root, e))]
         newest = hyperdcp.list_checkpoints(root)
         rec["newest_committed"] = int(os.path.basename(newest[-1]).split("-")[1]) if newest else 0
+        rec["latest_url"] = hyperdcp.latest_checkpoint(f"killat://{root}")  # the child's view of the root
         mgr = manager(root)
         st = {"w": np.zeros(2048, np.float32), "ids": np.zeros(64, np.int64), "step": -1}
         s = mgr.restore(st)  # None: nothing committed yet (a kill during the very first save), st untouched
@@ -147,6 +147,7 @@ def test_kill_during_save_and_retention(tmp_path):
         assert t["visible_incomplete"] == [], where
         assert t["restored"] == t["newest_committed"] and t["restored"] >= t["last_ack"] >= 0, where
         assert t["bit_exact"], where
+        assert t["latest_url"] == (f"killat://{root}/step-{t['newest_committed']}" if t["newest_committed"] else None), where
         assert set(t["required"]) <= set(t["present"]), where
         assert t["present_after_next"] == t["required_after_next"], where
         assert t["hidden_after_next"] == [], where
@@ -163,6 +164,30 @@ def test_kill_during_save_and_retention(tmp_path):
     # a kill right after the commit: that step is restored although the loop never saw it acknowledged
     assert all(t["restored"] == t["last_ack"] + 1 for t in by_mode["save-after-commit"])
     assert trials[-1]["restored"] > 30  # the run made progress across the kills
+
+
+def test_latest_checkpoint_through_a_registered_scheme(tmp_path):
+    """latest_checkpoint / list_checkpoints on a URL of a registered scheme: that storage's listing, committed
+    steps only (a file, a directory without a record and a killed save's temporary directory are not)."""
+    import hyperdcp
+
+    hyperdcp.storage.register_storage("killat", "tests.faults.storage:KillAtStorage")
+    try:
+        url = f"killat://{tmp_path}"
+        assert hyperdcp.latest_checkpoint(url) is None
+        with manager(url) as mgr:
+            for step in (3, 10):
+                mgr.save(step, state_of(step))
+        (tmp_path / "notes.txt").write_text("x")
+        (tmp_path / "step-11").mkdir()
+        (tmp_path / ".step-12.hyperdcp-tmp-0123").mkdir()
+        assert hyperdcp.list_checkpoints(url) == [f"{url}/step-3", f"{url}/step-10"]
+        assert hyperdcp.latest_checkpoint(url) == f"{url}/step-10"
+        st = {"w": np.zeros(2048, np.float32), "ids": np.zeros(64, np.int64), "step": -1}
+        hyperdcp.load(st, hyperdcp.latest_checkpoint(url))
+        assert st["w"].tobytes() == state_of(10)["w"].tobytes() and st["step"] == 10
+    finally:
+        hyperdcp.storage.unregister_storage("killat")
 
 
 if __name__ == "__main__":
