@@ -5,7 +5,10 @@ A training loop (a forked child of a numpy-only campaign process: no torch, no p
 from the newest step and saves every step under ``keep_last=2, keep_every_steps=5``; it is killed with
 SIGKILL either at a random moment, or at an exact point of a save (before the commit, between writing the
 commit record and the rename, right after the commit) or of a retention (a checkpoint renamed to trash
-and not yet removed, or half removed). After each kill a new manager must:
+and none of it removed yet, or its files removed and its directory not). The kill points are those of a
+storage of the test's own, registered for ``killat://`` (tests/faults/storage.py: around ``staging.commit``,
+and inside ``Storage.delete`` where a seccomp filter stops the removal); no hyperdcp code is patched. After
+each kill a new manager (on the plain path) must:
 
 * restore the newest committed step (the largest step ``hyperdcp.list_checkpoints`` finds), bit-exact,
   never older than the last step the loop saw committed;
@@ -30,7 +33,7 @@ import numpy as np
 
 KEEP_LAST, KEEP_EVERY = 2, 5
 MODES = ("random", "save-before-commit", "save-before-rename", "save-after-commit", "trash-renamed",
-         "trash-half-removed")
+         "trash-emptied")
 
 
 def state_of(step: int) -> dict:
@@ -50,55 +53,16 @@ def manager(root: str):
     return hyperdcp.CheckpointManager(root, keep_last=KEEP_LAST, keep_every_steps=KEEP_EVERY)
 
 
-def _kill_self() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _inject(mode: str, rng: random.Random) -> None:
-    """In the child: SIGKILL itself at the ``nth`` occurrence of the point ``mode`` names."""
-    from hyperdcp.storage import local, local_commit
-
-    nth = [rng.randint(1, 3)]
-
-    def at_nth() -> bool:
-        nth[0] -= 1
-        return nth[0] == 0
-
-    commit, swap, rmtree = local_commit.SaveTarget.commit, local_commit.SaveTarget._swap_in, local._rmtree
-
-    def commit_hook(self, record):
-        if mode == "save-before-commit" and at_nth():
-            _kill_self()
-        commit(self, record)
-        if mode == "save-after-commit" and at_nth():
-            _kill_self()
-
-    def swap_hook(self):
-        if mode == "save-before-rename" and at_nth():  # the record is durable in the temporary directory
-            _kill_self()
-        swap(self)
-
-    def rmtree_hook(path, quiet=False):
-        if at_nth():
-            if mode == "trash-half-removed":
-                files = sorted(os.listdir(path))
-                for f in files[: len(files) // 2 + 1]:
-                    os.unlink(os.path.join(path, f))
-            _kill_self()
-        rmtree(path, quiet)
-
-    local_commit.SaveTarget.commit = commit_hook
-    local_commit.SaveTarget._swap_in = swap_hook
-    if mode.startswith("trash"):
-        local._rmtree = rmtree_hook
-
-
 def _train(root: str, mode: str, seed: int, ack: int) -> None:
-    """The child: resume, then save every step (an acknowledged step is written to fd ``ack``)."""
-    rng = random.Random(seed)
+    """The child: resume, then save every step (an acknowledged step is written to fd ``ack``).
+
+    Its manager runs on ``killat://root``: the root through :class:`tests.faults.storage.KillAtStorage`, which
+    SIGKILLs the process at the ``nth`` time it reaches the point ``mode`` names (no hyperdcp code is patched)."""
+    from tests.faults import storage as faults
+
     if mode != "random":
-        _inject(mode, rng)
-    mgr = manager(root)
+        os.environ[faults.KILL_AT_ENV] = f"{mode}:{random.Random(seed).randint(1, 3)}"
+    mgr = manager(f"killat://{root}")
     st = state_of(0)
     start = mgr.restore(st) or 0
     for step in range(start + 1, start + 40):
@@ -114,6 +78,7 @@ def _hidden(root: str) -> list[str]:
 def campaign(trials: int, root: str) -> list[dict]:
     import hyperdcp
 
+    hyperdcp.storage.register_storage("killat", "tests.faults.storage:KillAtStorage")  # the forked children's too
     os.makedirs(root, exist_ok=True)
     rng = random.Random(16)
     out, committed = [], 0  # the newest step the previous trial ended with
@@ -140,10 +105,13 @@ def campaign(trials: int, root: str) -> list[dict]:
             acked = [int(x) for x in f.read().split()]
         rec = {"mode": mode, "killed": os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL,
                "last_ack": max(acked, default=committed), "hidden_after_kill": _hidden(root)}
+        rec["trash_after_kill"] = [sorted(os.listdir(os.path.join(root, h))) for h in rec["hidden_after_kill"]
+                                   if ".hyperdcp-trash-" in h]
         visible = sorted(e for e in os.listdir(root) if not e.startswith("."))
         rec["visible_incomplete"] = [e for e in visible if not hyperdcp.is_checkpoint(os.path.join(root, e))]
         newest = hyperdcp.list_checkpoints(root)
         rec["newest_committed"] = int(os.path.basename(newest[-1]).split("-")[1]) if newest else 0
+        rec["latest_url"] = hyperdcp.latest_checkpoint(f"killat://{root}")  # the child's view of the root
         mgr = manager(root)
         st = {"w": np.zeros(2048, np.float32), "ids": np.zeros(64, np.int64), "step": -1}
         s = mgr.restore(st)  # None: nothing committed yet (a kill during the very first save), st untouched
@@ -179,6 +147,7 @@ def test_kill_during_save_and_retention(tmp_path):
         assert t["visible_incomplete"] == [], where
         assert t["restored"] == t["newest_committed"] and t["restored"] >= t["last_ack"] >= 0, where
         assert t["bit_exact"], where
+        assert t["latest_url"] == (f"killat://{root}/step-{t['newest_committed']}" if t["newest_committed"] else None), where
         assert set(t["required"]) <= set(t["present"]), where
         assert t["present_after_next"] == t["required_after_next"], where
         assert t["hidden_after_next"] == [], where
@@ -187,11 +156,38 @@ def test_kill_during_save_and_retention(tmp_path):
     by_mode = {m: [t for t in trials if t["mode"] == m] for m in MODES}
     for m in ("save-before-commit", "save-before-rename"):
         assert all(any(".hyperdcp-tmp-" in h for h in t["hidden_after_kill"]) for t in by_mode[m]), m
-    for m in ("trash-renamed", "trash-half-removed"):
+    for m in ("trash-renamed", "trash-emptied"):
         assert all(any(".hyperdcp-trash-" in h for h in t["hidden_after_kill"]) for t in by_mode[m]), m
+    # renamed to trash before any removal (the record included), and emptied before its directory went
+    assert all(any("hyperdcp.json" in files for files in t["trash_after_kill"]) for t in by_mode["trash-renamed"])
+    assert all(t["trash_after_kill"] == [[]] for t in by_mode["trash-emptied"])
     # a kill right after the commit: that step is restored although the loop never saw it acknowledged
     assert all(t["restored"] == t["last_ack"] + 1 for t in by_mode["save-after-commit"])
     assert trials[-1]["restored"] > 30  # the run made progress across the kills
+
+
+def test_latest_checkpoint_through_a_registered_scheme(tmp_path):
+    """latest_checkpoint / list_checkpoints on a URL of a registered scheme: that storage's listing, committed
+    steps only (a file, a directory without a record and a killed save's temporary directory are not)."""
+    import hyperdcp
+
+    hyperdcp.storage.register_storage("killat", "tests.faults.storage:KillAtStorage")
+    try:
+        url = f"killat://{tmp_path}"
+        assert hyperdcp.latest_checkpoint(url) is None
+        with manager(url) as mgr:
+            for step in (3, 10):
+                mgr.save(step, state_of(step))
+        (tmp_path / "notes.txt").write_text("x")
+        (tmp_path / "step-11").mkdir()
+        (tmp_path / ".step-12.hyperdcp-tmp-0123").mkdir()
+        assert hyperdcp.list_checkpoints(url) == [f"{url}/step-3", f"{url}/step-10"]
+        assert hyperdcp.latest_checkpoint(url) == f"{url}/step-10"
+        st = {"w": np.zeros(2048, np.float32), "ids": np.zeros(64, np.int64), "step": -1}
+        hyperdcp.load(st, hyperdcp.latest_checkpoint(url))
+        assert st["w"].tobytes() == state_of(10)["w"].tobytes() and st["step"] == 10
+    finally:
+        hyperdcp.storage.unregister_storage("killat")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from .format.metadata import Metadata
 from .options import LoadOptions, SaveOptions
 from .retention import Retention, SaveSchedule, StepInfo
 from .storage.commit import load_metadata, recover_under, torch_dcp_message
-from .storage.urls import is_object_store, is_remote, local_path, storage_for, url_join
+from .storage.urls import is_object_store, is_registered, is_remote, local_path, storage_for, url_join
 
 log = logging.getLogger("hyperdcp")
 #: the key of the manager's entry in a checkpoint's user metadata (``Metadata.user``)
@@ -52,6 +52,8 @@ def list_checkpoints(root: str | os.PathLike) -> list[str]:
         from .storage.object_listing import committed_checkpoints
 
         return committed_checkpoints(root)
+    if is_registered(root):  # a scheme of register_storage: its own listing and commit records
+        return _committed_in_storage(root)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"{root!r} is not a directory; pass the directory that holds the checkpoints")
     if torch_dcp_message(root):
@@ -79,6 +81,30 @@ def list_checkpoints(root: str | os.PathLike) -> list[str]:
             f"checkpoint(s) ({shown}); hyperdcp cannot load torch DCP checkpoints yet: load them with "
             "torch.distributed.checkpoint and save again with hyperdcp.save (or wait for the torch-dcp source)"
         )
+    found.sort()
+    return [p for *_, p in found]
+
+
+def _committed_in_storage(root: str) -> list[str]:
+    """URLs of the committed checkpoints under the URL ``root`` of a registered scheme, oldest first."""
+    root = root.rstrip("/")
+    st = storage_for(root)
+    try:
+        names = st.list()
+    except CheckpointNotFoundError:
+        names = []
+    finally:
+        st.close()
+    found = []
+    for name in names:
+        if name.startswith("."):  # temporaries, trash and locks of saves and deletions
+            continue
+        try:
+            meta = _read_committed(url_join(root, name))
+        except (CheckpointError, OSError):
+            continue
+        m = _NUM.search(name)
+        found.append((int(m.group(1)) if m else -1, meta.created_unix, name, url_join(root, name)))
     found.sort()
     return [p for *_, p in found]
 
