@@ -72,7 +72,8 @@ def _rank(rank, world, store, args, q):
     state = {"model": {}}
     for i in range(n):
         local = torch.randn(rows // fs, cols, generator=g)
-        state["model"][f"layer{i:05d}.weight"] = DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False)
+        state["model"][f"layer{i:05d}.weight"] = DTensor.from_local(local, mesh, [Replicate(), Shard(0)],
+                                                                    run_check=False)
     state["step"] = 0
     locals_ = [t.to_local() for t in state["model"].values()]
     local_bytes = sum(t.numel() * 4 for t in locals_)
@@ -192,11 +193,13 @@ def main() -> None:
                   f"({r['local_mib']:.0f} MiB local per rank), coordination={a.coordination}")
             print(f"copy floor (max over ranks, median) {fl * 1e3:9.1f} ms (min {r['floor_min_s'] * 1e3:.1f} ms)")
             for name, x in (("hyperdcp.async_save", h), ("torch dcp.async_save", t)):
-                print(f"{name:22s} blocking first {x['first_block_s'] * 1e3:9.1f} ms ({x['first_block_s'] / fl:5.2f}x floor)"
+                print(f"{name:22s} blocking first {x['first_block_s'] * 1e3:9.1f} ms ({x['first_block_s'] / fl:5.2f}x "
+                      "floor)"
                       f"  warm {x['warm_block_s'] * 1e3:9.1f} ms ({x['warm_block_s'] / fl:5.2f}x floor)"
                       f"  commit first {x['first_commit_s']:6.2f} s warm {x['warm_commit_s']:6.2f} s"
                       f"  peak RSS +{x['peak_rss_delta_mib']:7.0f} MiB"
-                      + (f" (+ persist procs {x['persist_proc_hwm_mib']:.0f} MiB)" if x["persist_proc_hwm_mib"] else ""))
+                      + (f" (+ persist procs {x['persist_proc_hwm_mib']:.0f} MiB)" if x["persist_proc_hwm_mib"]
+                         else ""))
             print(f"ratios: warm blocking hyperdcp/floor {h['warm_block_s'] / fl:.2f} (target <= 1.5), "
                   f"hyperdcp/torch warm blocking {h['warm_block_s'] / t['warm_block_s']:.2f}, "
                   f"commit hyperdcp/torch {h['warm_commit_s'] / t['warm_commit_s']:.2f} (target <= 1)")

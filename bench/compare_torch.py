@@ -126,7 +126,8 @@ def main() -> None:
     dd_s = time.perf_counter() - t
     print(f"{args.ranks} ranks, HSDP (2,{args.ranks // 2}) [Replicate, Shard(0)], {args.mib} MiB unique fp32; "
           f"floor: dd of {args.mib} MiB with fsync {dd_s:.2f}s")
-    print(f"{'':10} {'save s':>8} {'load s':>8} {'written/unique':>15} {'read/unique':>12} {'size/unique':>12} {'bit-exact':>9}")
+    print(f"{'':10} {'save s':>8} {'load s':>8} {'written/unique':>15} {'read/unique':>12} {'size/unique':>12} "
+          f"{'bit-exact':>9}")
     rows = {}
     for lib in ("torch", "hyperdcp"):
         save_s = max(o[lib]["save_s"] for o in out.values())
@@ -136,9 +137,12 @@ def main() -> None:
         size = _du(os.path.join(root, lib))
         ok = all(o[lib]["ok"] for o in out.values())
         rows[lib] = (save_s, load_s)
-        print(f"{lib:10} {save_s:8.2f} {load_s:8.2f} {w / unique:15.3f} {r / unique:12.3f} {size / unique:12.4f} {str(ok):>9}")
-    print(f"peak RSS per rank (both libraries in one process): {max(o['maxrss_kib'] for o in out.values()) / 1024:.0f} MiB")
-    print(f"ratios torch/hyperdcp: save {rows['torch'][0] / rows['hyperdcp'][0]:.2f}x, load {rows['torch'][1] / rows['hyperdcp'][1]:.2f}x; "
+        print(f"{lib:10} {save_s:8.2f} {load_s:8.2f} {w / unique:15.3f} {r / unique:12.3f} {size / unique:12.4f} "
+              f"{str(ok):>9}")
+    print(f"peak RSS per rank (both libraries in one process): {max(o['maxrss_kib'] for o in out.values()) / 1024:.0f} "
+          "MiB")
+    print(f"ratios torch/hyperdcp: save {rows['torch'][0] / rows['hyperdcp'][0]:.2f}x, load "
+          f"{rows['torch'][1] / rows['hyperdcp'][1]:.2f}x; "
           f"hyperdcp save / dd floor {rows['hyperdcp'][0] / dd_s:.2f}x")
     shutil.rmtree(root, ignore_errors=True)
 

@@ -88,7 +88,8 @@ def _child(mode: str, src: str, dst: str, threads: int) -> None:
             os.fsync(fd)
             os.close(fd)
     dt = time.perf_counter() - t0
-    print(json.dumps({"mode": mode, "seconds": dt, "bytes": nbytes, "gb_per_s": nbytes / 1e9 / dt, "peak_rss_mb": peak_rss_mb()}))
+    print(json.dumps({"mode": mode, "seconds": dt, "bytes": nbytes, "gb_per_s": nbytes / 1e9 / dt,
+                      "peak_rss_mb": peak_rss_mb()}))
 
 
 def run(mode: str, src: str, dst: str, threads: int) -> dict:

@@ -11,7 +11,8 @@ and read (hyperdcp: LoadResult.bytes_read; Orbax: the process's rchar, which cou
 page cache too), and the checkpoint size against the unique bytes of the tree. Orbax runs with its
 default options and with ``use_replica_parallel`` off and on (``ArrayHandler``). Its load-and-broadcast
 handler (``SingleReplicaArrayHandler``) needs replicas spread over several processes/slices and does not
-apply to one process. Loads are warm: each reads a checkpoint once before it is timed (dropping the page cache would disturb
+apply to one process. Loads are warm: each reads a checkpoint once before it is timed (dropping the page cache would
+disturb
 other jobs on the machine), and only the measured checkpoints are kept.
 """
 
@@ -204,7 +205,8 @@ def main() -> None:
     for name in ("hyperdcp", "orbax_default", "orbax_rp_off", "orbax_rp_on"):
         r = report[name]
         print(f"{name:16}" + "".join(f"{r[c]:>18.3f}" if c.endswith("_s") else f"{r[c]:>18d}" for c in cols))
-    print(f"hyperdcp / orbax(default): save {h['save_s'] / o['save_s']:.2f}x, load same {h['load_same_s'] / o['load_same_s']:.2f}x, "
+    print(f"hyperdcp / orbax(default): save {h['save_s'] / o['save_s']:.2f}x, load same "
+          f"{h['load_same_s'] / o['load_same_s']:.2f}x, "
           f"load resharded {h['load_reshard_s'] / o['load_reshard_s']:.2f}x; async blocking / d2h copy "
           f"{h['async_block_s'] / report['d2h_copy_s']:.2f}x; checkpoint size / unique bytes "
           f"{h['size'] / unique:.5f} (orbax {o['size'] / unique:.5f})")

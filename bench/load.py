@@ -194,7 +194,8 @@ def _rank(rank, world, args, root):
     libs = ["hyperdcp"] + ([] if args.no_torch else ["torch"])
     results = {}
     # the libraries take turns going first, so neither always follows the save or the other case
-    order = [(case, lib) for rep in range(args.repeat) for case in cases for lib in (libs if rep % 2 == 0 else libs[::-1])]
+    order = [(case,
+              lib) for rep in range(args.repeat) for case in cases for lib in (libs if rep % 2 == 0 else libs[::-1])]
     for case, lib in order:
         mesh, placements = cases[case]
         state = _state(mesh, placements, shapes, fill=False)
@@ -237,7 +238,8 @@ def floors(ckpt: str, dest_bytes: list[int], threads_per_rank: int = 4, piece: i
     import numpy as np
 
     files = [os.path.join(ckpt, n) for n in sorted(os.listdir(ckpt)) if n.endswith(".safetensors")]
-    jobs = [(f, off, min(piece, os.path.getsize(f) - off)) for f in files for off in range(0, os.path.getsize(f), piece)]
+    jobs = [(f, off, min(piece, os.path.getsize(f) - off)) for f in files for off in range(0, os.path.getsize(f),
+        piece)]
     drop_caches([ckpt])
     nthreads = max(1, len(dest_bytes)) * threads_per_rank
     bufs = [np.empty(piece, dtype=np.uint8) for _ in range(nthreads)]
@@ -292,9 +294,11 @@ def main() -> None:
     ap.add_argument("--no-broadcast", action="store_true",
                     help="replicas on other hosts get their chunks point to point, not by broadcast in mesh groups")
     ap.add_argument("--no-shm", action="store_true",
-                    help="read-once transfers over gloo only, also between ranks of one host (HYPERDCP_READ_ONCE_SHM=0)")
+                    help="read-once transfers over gloo only, also between ranks of one host "
+                         "(HYPERDCP_READ_ONCE_SHM=0)")
     ap.add_argument("--hosts", type=int, default=1,
-                    help="pretend the ranks sit on this many hosts (HYPERDCP_HOST=rank %% hosts): shared memory within, gloo across")
+                    help="pretend the ranks sit on this many hosts (HYPERDCP_HOST=rank %% hosts): shared memory "
+                         "within, gloo across")
     ap.add_argument("--repeat", type=int, default=3, help="loads per case and library (medians reported)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=3600)
@@ -314,7 +318,8 @@ def main() -> None:
         print(f"{args.ranks} ranks, HSDP mesh {tuple(args.mesh)} save, {args.tensors} x ({args.rows}, {args.cols}) "
               f"float32 = {unique / 2**20:.0f} MiB unique; cache: {res[0][next(iter(res[0]))][0]['cache']}; "
               f"read_once_batch_bytes {args.batch_mib} MiB; transport: "
-              f"{'gloo only' if args.no_shm else 'shm within a host, gloo across'}, {args.hosts} host(s); total run {time.perf_counter() - t:.0f} s")
+              f"{'gloo only' if args.no_shm else 'shm within a host, gloo across'}, {args.hosts} host(s); total run "
+              f"{time.perf_counter() - t:.0f} s")
         report = {}
         floor = {}
         med = statistics.median
@@ -325,7 +330,8 @@ def main() -> None:
             disk, fill = med(d for d, _ in runs), med(f for _, f in runs)
             floor[case] = max(disk, fill)
             report[f"{case}/floor"] = {"disk_s": disk, "fill_s": fill, "runs": runs}
-            print(f"floor {case}: cold parallel read of the unique bytes {disk:.2f} s, filling the destinations {fill:.2f} s")
+            print(f"floor {case}: cold parallel read of the unique bytes {disk:.2f} s, filling the destinations "
+                  f"{fill:.2f} s")
         print(f"{'case':<16}{'library':<10}{'ampl(counted)':>14}{'ampl(rchar)':>12}{'ampl(disk)':>11}"
               f"{'wall s':>8}{'/floor':>8}{'host extra MiB':>16}{'rank RSS peak MiB':>19}   wall s of each run")
         walls = {}

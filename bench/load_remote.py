@@ -109,7 +109,8 @@ http {{
         open(self.log, "w").close()
         version = subprocess.run([NGINX, "-v"], capture_output=True, text=True).stderr.strip()
         self.name = f"{version.replace('nginx version: ', '')} ({workers} workers, sendfile)"
-        self.proc = subprocess.Popen([NGINX, "-p", self.dir, "-e", os.path.join(self.dir, "error.log"), "-c", self.conf],
+        self.proc = subprocess.Popen([NGINX, "-p", self.dir, "-e", os.path.join(self.dir, "error.log"), "-c",
+                                      self.conf],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             _wait_listening(self.port, self.proc)
@@ -174,7 +175,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._log(416, h, 0)
                 return
             start, end, status = int(m[1]), min(size, int(m[2]) + 1) if m[2] else size, 206
-        fields = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes", "Content-Length": str(end - start)}
+        fields = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes",
+                  "Content-Length": str(end - start)}
         if status == 206:
             fields["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
         h = self._headers(status, fields)
@@ -272,7 +274,8 @@ def _rank(rank, world, args, root, base_url, log):
             t0 = time.perf_counter()
             counted = None
             if lib == "hyperdcp":
-                counted = hyperdcp.load(state, urls[lib], read_once=True, read_once_batch_bytes=args.batch_mib << 20).bytes_read
+                counted = hyperdcp.load(state, urls[lib], read_once=True,
+                                        read_once_batch_bytes=args.batch_mib << 20).bytes_read
             elif lib == "torch":
                 dcp.load(state, storage_reader=FsspecReader(urls[lib]))
             else:  # no read-ahead cache: every read of torch.load is its own ranged request
@@ -317,7 +320,8 @@ def main() -> None:
     server = NginxServer(root, args.workers) if use_nginx else PythonServer(root)
     try:
         t = time.perf_counter()
-        res = run_ranks(args.ranks, _rank, args, root, f"http://127.0.0.1:{server.port}", server.log, timeout=args.timeout)
+        res = run_ranks(args.ranks, _rank, args, root, f"http://127.0.0.1:{server.port}", server.log,
+                        timeout=args.timeout)
         import hyperdcp
 
         unique = hyperdcp.read_metadata(os.path.join(root, "hyperdcp")).tensor_bytes
@@ -325,7 +329,8 @@ def main() -> None:
         print(f"{args.ranks} ranks, HSDP mesh {tuple(args.mesh)} save, {args.tensors} x ({args.rows}, {args.cols}) "
               f"float32 = {unique / 2**20:.0f} MiB unique; over HTTP from {server.name} on 127.0.0.1; server cache: "
               f"{first['cache']}; hyperdcp read-once, read_once_batch_bytes {args.batch_mib} MiB; torch: FsspecReader "
-              f"(fsspec defaults: 5 MiB read-ahead), torch-nc: FsspecReader(cache_type='none'); total run {time.perf_counter() - t:.0f} s")
+              "(fsspec defaults: 5 MiB read-ahead), torch-nc: FsspecReader(cache_type='none'); total run "
+              f"{time.perf_counter() - t:.0f} s")
         print(f"{'case':<16}{'library':<11}{'ampl(server)':>13}{'ampl(+hdrs)':>12}{'ampl(counted)':>14}{'requests':>9}"
               f"{'wall s':>8}{'peak extra MiB (max/rank)':>27}")
         report, walls = {}, {}
@@ -339,7 +344,8 @@ def main() -> None:
             walls[key] = wall
             print(f"{case:<16}{lib:<11}{srv['body'] / unique:>13.3f}{srv['total'] / unique:>12.3f}{counted:>14.3f}"
                   f"{srv['requests']:>9}{wall:>8.2f}{peak:>27.0f}")
-            report[f"{case}/{lib}"] = {"ampl_server": srv["body"] / unique, "ampl_server_with_headers": srv["total"] / unique,
+            report[f"{case}/{lib}"] = {"ampl_server": srv["body"] / unique,
+                                       "ampl_server_with_headers": srv["total"] / unique,
                                        "ampl_counted": counted, "requests": srv["requests"], "wall_s": wall,
                                        "peak_extra_mib_max": peak, "per_rank": rows}
         for case in dict.fromkeys(c for c, _ in res[0]):

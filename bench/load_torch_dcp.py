@@ -57,7 +57,8 @@ def _rank(rank, world, args, root):
     dist.barrier()
     cases = {"a_same_layout": (hsdp, [Replicate(), Shard(0)]), "b_1d_shard1": (flat, [Shard(1)])}
     libs = ["hyperdcp", "torch", "converted"] + (["converted-noverify"] if args.noverify_row else [])
-    order = [(case, lib) for rep in range(args.repeat) for case in cases for lib in (libs if rep % 2 == 0 else libs[::-1])]
+    order = [(case,
+              lib) for rep in range(args.repeat) for case in cases for lib in (libs if rep % 2 == 0 else libs[::-1])]
     results: dict = {}
     for case, lib in order:
         mesh, placements = cases[case]
@@ -131,7 +132,8 @@ def main() -> None:
         res = run_ranks(args.ranks, _rank, args, root, timeout=args.timeout)
         unique = args.tensors * args.rows * args.cols * 4
         print(f"{args.ranks} ranks, torch dcp.save of HSDP mesh {tuple(args.mesh)}: {args.tensors} x ({args.rows}, "
-              f"{args.cols}) float32 = {unique / 2**20:.0f} MiB unique; cache: {res[0][next(iter(res[0]))][0]['cache']}")
+              f"{args.cols}) float32 = {unique / 2**20:.0f} MiB unique; cache: "
+              f"{res[0][next(iter(res[0]))][0]['cache']}")
         print(f"{'case':<16}{'library':<10}{'ampl(counted)':>14}{'ampl(rchar)':>12}{'ampl(disk)':>11}{'wall s':>8}"
               "   wall s of each run")
         walls = {}

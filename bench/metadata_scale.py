@@ -56,7 +56,8 @@ def plan_and_results(mesh, ntensors, hidden):
         nb = gp.u_lengths[u].prod(axis=1) * isz[gp.u_tidx[u]]
         end = np.cumsum(nb) + 4096
         sums = ["%016x" % x for x in rng.integers(0, 2**63, len(u)).tolist()]
-        results.append(wire.pack({"files": [[f"r{r:05d}-0123456789ab-00.safetensors", int(end[-1]) if len(end) else 4096]],
+        results.append(wire.pack({"files": [[f"r{r:05d}-0123456789ab-00.safetensors",
+                                             int(end[-1]) if len(end) else 4096]],
                                   "checksums": sums},
                                  {"file": np.zeros(len(u), np.int64), "begin": end - nb, "end": end}))
     return specs, gp, results

@@ -90,7 +90,8 @@ def timeline(log: list, t0: float) -> str:
 
 def _diff(a: dict, b: dict) -> dict:
     return {"requests": b.get("requests", 0) - a.get("requests", 0),
-            "up": b.get("bytes_in_PUT", 0) + b.get("bytes_in_POST", 0) - a.get("bytes_in_PUT", 0) - a.get("bytes_in_POST", 0),
+            "up": b.get("bytes_in_PUT", 0) + b.get("bytes_in_POST", 0) - a.get("bytes_in_PUT",
+                0) - a.get("bytes_in_POST", 0),
             "down": b.get("bytes_out_GET", 0) - a.get("bytes_out_GET", 0)}
 
 
@@ -228,7 +229,8 @@ buf = bytearray(n); t = time.perf_counter()
 st.read_into('r00000-000000000000-00.safetensors', 0, buf)
 down = time.perf_counter() - t
 assert buf == data
-print(json.dumps({{'up_MBps': n / up / 1e6, 'down_MBps': n / down / 1e6, 'peak_extra_MiB': (hwm('VmHWM') - rss) / 2**20 - {mib}}}))
+print(json.dumps({{'up_MBps': n / up / 1e6, 'down_MBps': n / down / 1e6, 'peak_extra_MiB': (hwm('VmHWM') - rss) / 2**20
+- {mib}}}))
 """
 
 
@@ -272,9 +274,11 @@ def main() -> None:
         res = run_ranks(args.ranks, _rank, args, proxy.endpoint, (server.proc.pid, os.getpid()), timeout=args.timeout,
                         env=env)
         unique = args.tensors * args.rows * args.cols * 4
-        print(f"{args.ranks} ranks, HSDP mesh {tuple(args.mesh)}, {args.tensors} x ({args.rows}, {args.cols}) float32 = "
+        print(f"{args.ranks} ranks, HSDP mesh {tuple(args.mesh)}, {args.tensors} x ({args.rows}, {args.cols}) float32 "
+              "= "
               f"{unique / 2**20:.0f} MiB unique; moto {server.proc.args[2:]} behind a counting proxy on 127.0.0.1; "
-              f"parts / ranged GETs of {args.part_mib} MiB; load average before: {load[0]:.1f}; run {time.perf_counter() - t:.0f} s")
+              f"parts / ranged GETs of {args.part_mib} MiB; load average before: {load[0]:.1f}; run "
+              f"{time.perf_counter() - t:.0f} s")
         print(f"{'case':<22}{'library':<10}{'wall s':>8}{'MB/s':>8}{'up/unique':>10}{'down/unique':>12}"
               f"{'requests':>9}{'peak extra MiB/rank':>21}")
         for key in res[0]:
@@ -293,8 +297,10 @@ def main() -> None:
                 print(f"    ranks returned after {done[0]:.2f}..{done[-1]:.2f} s\n" + rows[0]["timeline"])
         if args.clients:
             for kind, r in compare_clients(args, env).items():
-                print(f"client {kind:<8} {args.client_mib} MiB, one process: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float)
-                                                                                      else f"{k} {v}" for k, v in r.items()))
+                print(f"client {kind:<8} {args.client_mib} MiB, one process: "
+                      + ", ".join(f"{k} {v:.1f}" if isinstance(v, float)
+                                                                                      else f"{k} {v}" for k,
+                                                                                          v in r.items()))
     finally:
         proxy.stop()
         server.stop()

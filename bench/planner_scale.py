@@ -87,7 +87,8 @@ def bench_hyperdcp(specs, per_rank, W):
     for r in range(W):
         n = len(gp.assignments[r])
         results.append(wire.pack({"files": [[f"r{r:05d}-00.safetensors", 1 << 40]], "checksums": ["0" * 16] * n},
-                                 {"file": np.zeros(n, np.int64), "begin": np.arange(n, dtype=np.int64) * 16, "end": np.arange(1, n + 1, dtype=np.int64) * 16}))
+                                 {"file": np.zeros(n, np.int64), "begin": np.arange(n, dtype=np.int64) * 16,
+                                  "end": np.arange(1, n + 1, dtype=np.int64) * 16}))
     t3 = time.perf_counter()
     meta = build_metadata(gp, results, {"step": 1}, SaveOptions())
     record, index = meta.encode("hyperdcp-index-0123456789ab.safetensors")  # format 2 at >= 1024 chunks
@@ -157,13 +158,15 @@ def main() -> None:
     h["plan_all"] = [round(r["decode_s"] + r["plan_s"], 3) for r in runs]
     print(f"  chunk entries (rank x box): {h['entries']:,}; unique chunks: {h['unique_chunks']:,}; "
           f"medians of {args.repeat} runs (hyperdcp decode+plan runs: {h['plan_all']})")
-    print(f"hyperdcp: decode {h['decode_s']:.3f}s + global plan {h['plan_s']:.3f}s = {h['decode_s'] + h['plan_s']:.3f}s;"
+    print(f"hyperdcp: decode {h['decode_s']:.3f}s + global plan {h['plan_s']:.3f}s = "
+          f"{h['decode_s'] + h['plan_s']:.3f}s;"
           f" metadata build+encode {h['metadata_s']:.3f}s, {h['metadata_bytes'] / 1e6:.1f} MB;"
           f" largest writer / mean writer = {h['max_over_mean_writer']:.3f} over {h['writing_ranks']} writing ranks")
     if not args.no_torch:
         t = bench_torch(specs, kinds, per_rank, W, args.repeat)
         ours = h["decode_s"] + h["plan_s"]
-        print(f"torch.distributed.checkpoint create_global_plan: {t['plan_s']:.3f}s (runs: {[round(x, 3) for x in t['all']]})")
+        print(f"torch.distributed.checkpoint create_global_plan: {t['plan_s']:.3f}s (runs: "
+              f"{[round(x, 3) for x in t['all']]})")
         print(f"ratio torch / hyperdcp (global planning): {t['plan_s'] / ours:.1f}x")
         print(f"ratio torch / hyperdcp (planning + metadata): {t['plan_s'] / (ours + h['metadata_s']):.1f}x")
 

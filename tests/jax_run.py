@@ -61,7 +61,8 @@ def run_jax(nprocs: int, devices: int, target: str, args: dict | None = None, ti
             pytest.fail(f"timed out after {timeout}s waiting for JAX process {i}", pytrace=False)
         line = [ln for ln in out.splitlines() if ln.startswith(_MARK)]
         if not line:
-            pytest.fail(f"JAX process {i} exited with {procs[i].returncode} and no result:\n{out[-4000:]}", pytrace=False)
+            pytest.fail(f"JAX process {i} exited with {procs[i].returncode} and no result:\n{out[-4000:]}",
+                        pytrace=False)
         ok, val = json.loads(line[-1][len(_MARK):])
         if not ok and not expect_fail:
             pytest.fail(f"JAX process {i} failed:\n{val}", pytrace=False)

@@ -32,7 +32,8 @@ def test_grid_partitions_are_exact_covers(split):
         offs.append((a[0], b[0]))
         lens.append((len(a), len(b)))
     check_exact_cover("t", shape, np.array(offs), np.array(lens))  # raises if not an exact cover
-    assert grid_tiles(np.zeros(len(offs), np.int64), np.array(offs), np.array(lens), np.array([shape])).tolist() == [True]
+    assert grid_tiles(np.zeros(len(offs), np.int64), np.array(offs), np.array(lens),
+                      np.array([shape])).tolist() == [True]
 
 
 def test_non_grid_exact_cover_is_accepted():

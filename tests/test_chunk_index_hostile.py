@@ -30,7 +30,8 @@ def pristine(tmp_path_factory):
     old = os.environ.get("HYPERDCP_INDEX_MIN_CHUNKS")
     os.environ["HYPERDCP_INDEX_MIN_CHUNKS"] = "0"
     try:
-        hyperdcp.save({"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(6, dtype=np.float32).reshape(2, 3),
+        hyperdcp.save({"a": np.arange(6, dtype=np.float32).reshape(2, 3),
+                       "b": np.arange(6, dtype=np.float32).reshape(2, 3),
                        "c": np.arange(4, dtype=np.int64), "step": 3}, path)
     finally:
         if old is None:

@@ -65,7 +65,8 @@ def _jax_sharding(shape, mesh):
     from jax.sharding import NamedSharding, PartitionSpec
 
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
-    spec = [ax if d < len(shape) and shape[d] % sizes[ax] == 0 else None for d, ax in enumerate(("x", "y")[:len(shape)])]
+    spec = [ax if d < len(shape) and shape[d] % sizes[ax] == 0 else None for d,
+            ax in enumerate(("x", "y")[:len(shape)])]
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
@@ -75,7 +76,8 @@ def jax_side(pid, n, src, dst, minilm):
     mesh = jax.make_mesh((2, 4), ("x", "y"))
     out = {}
     try:  # torch FSDP2 -> JAX, then JAX -> torch
-        target = {"model": [{p: jax.ShapeDtypeStruct(*TENSORS[f"model.{i}.{p}"][:1], np.dtype(TENSORS[f"model.{i}.{p}"][1]),
+        target = {"model": [{p: jax.ShapeDtypeStruct(*TENSORS[f"model.{i}.{p}"][:1],
+                                                     np.dtype(TENSORS[f"model.{i}.{p}"][1]),
                                                      sharding=_jax_sharding(TENSORS[f"model.{i}.{p}"][0], mesh))
                              for p in ("weight", "bias")} for i in range(2)]}
         got = hyperdcp.load(target, src).state

@@ -61,9 +61,11 @@ def _jax_load(pid, n, path, seed):
     mesh = jax.make_mesh((4, 2), ("a", "b"))
     vals = values(seed)
     target = {"model": {k: jax.ShapeDtypeStruct(SHAPES[k], np.float32,
-                                                sharding=NamedSharding(mesh, PartitionSpec(*("b", "a")[:len(SHAPES[k])])))
+                                                sharding=NamedSharding(mesh,
+                                                    PartitionSpec(*("b", "a")[:len(SHAPES[k])])))
                         for k in ("0.weight", "0.bias")},
-              "bf": jax.ShapeDtypeStruct(SHAPES["bf"], vals["bf"].dtype, sharding=NamedSharding(mesh, PartitionSpec("a")))}
+              "bf": jax.ShapeDtypeStruct(SHAPES["bf"], vals["bf"].dtype,
+                                         sharding=NamedSharding(mesh, PartitionSpec("a")))}
     got = hyperdcp.load(target, path).state
     same = {}
     for k in ("0.weight", "0.bias"):

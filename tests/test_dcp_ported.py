@@ -84,7 +84,8 @@ def scenario_empty_shard(rank, world, tmp):
     g = torch.tensor([0.25])
     path = os.path.join(tmp, "empty")
     hyperdcp.save({"dtensor": distribute_tensor(g, init_device_mesh("cpu", (world,)), [Shard(0)])}, path)
-    state = {"dtensor": distribute_tensor(torch.zeros(1), init_device_mesh("cpu", (2, world // 2)), [Shard(0), Shard(0)])}
+    state = {"dtensor": distribute_tensor(torch.zeros(1), init_device_mesh("cpu", (2, world // 2)),
+                                          [Shard(0), Shard(0)])}
     hyperdcp.load(state, path)
     assert torch.equal(state["dtensor"].full_tensor(), g)
     return True
@@ -150,9 +151,11 @@ def scenario_switch_between_sharded_tensor_and_tensor(rank, world, tmp):
         ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world)]),
         ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu", "rank:1/cpu", "rank:0/cpu"]),
         EnumerableShardingSpec(shards=[ShardMetadata(shard_offsets=[0], shard_sizes=[8], placement="rank:1/cpu"),
-                                       ShardMetadata(shard_offsets=[8], shard_sizes=[size - 8], placement="rank:0/cpu")]),
+                                       ShardMetadata(shard_offsets=[8], shard_sizes=[size - 8],
+                                                     placement="rank:0/cpu")]),
         EnumerableShardingSpec(shards=[ShardMetadata(shard_offsets=[0], shard_sizes=[10], placement="rank:0/cpu"),
-                                       ShardMetadata(shard_offsets=[10], shard_sizes=[size - 10], placement="rank:3/cpu")]),
+                                       ShardMetadata(shard_offsets=[10], shard_sizes=[size - 10],
+                                                     placement="rank:3/cpu")]),
     ]
 
     def gather(st) -> torch.Tensor:

@@ -108,7 +108,8 @@ def test_round_trip_bit_exact(tmp_path, model, hf_single, hf_sharded, source):
     assert_same(load_hf_dir(back), model)
     # a source of HF shards never exceeds the limit unless one tensor alone does
     for fname in r2.files:
-        sizes = [v.numel() * v.element_size() for v in safetensors_torch.load_file(str(tmp_path / "back" / fname)).values()]
+        sizes = [v.numel() * v.element_size()
+                 for v in safetensors_torch.load_file(str(tmp_path / "back" / fname)).values()]
         assert sum(sizes) <= 1000 or len(sizes) == 1
 
 
@@ -316,7 +317,8 @@ def _reshard_minilm(rank, world, src, dst):
     with safe_open(src, "pt") as f:  # shapes and dtypes only
         for k in f.keys():
             s = f.get_slice(k)
-            dtype = {"F32": torch.float32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16}[s.get_dtype()]
+            dtype = {"F32": torch.float32, "I64": torch.int64, "F16": torch.float16,
+                     "BF16": torch.bfloat16}[s.get_dtype()]
             shape = s.get_shape()
             sd[k] = distribute_tensor(torch.zeros(shape, dtype=dtype), mesh, [Shard(0)] if shape else [Replicate()])
     return sd

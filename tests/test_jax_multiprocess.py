@@ -80,7 +80,8 @@ def load_tree(pid, n, path, mesh_shape, shape_only=True):
     res = hyperdcp.load(_tree(make), path)
     state = res.state
     assert state["step"] == 7 and type(state["opt"][0]).__name__ == "ScaleByAdamState"
-    flat = {"params.dense.kernel": state["params"]["dense"]["kernel"], "params.dense.bias": state["params"]["dense"]["bias"],
+    flat = {"params.dense.kernel": state["params"]["dense"]["kernel"],
+            "params.dense.bias": state["params"]["dense"]["bias"],
             "params.embed": state["params"]["embed"], "opt.0.count": state["opt"][0].count,
             "opt.0.mu.dense.kernel": state["opt"][0].mu["dense"]["kernel"]}
     checked = 0

@@ -147,7 +147,8 @@ def test_kill_during_save_and_retention(tmp_path):
         assert t["visible_incomplete"] == [], where
         assert t["restored"] == t["newest_committed"] and t["restored"] >= t["last_ack"] >= 0, where
         assert t["bit_exact"], where
-        assert t["latest_url"] == (f"killat://{root}/step-{t['newest_committed']}" if t["newest_committed"] else None), where
+        assert t["latest_url"] == (f"killat://{root}/step-{t['newest_committed']}" if t["newest_committed"]
+                                   else None), where
         assert set(t["required"]) <= set(t["present"]), where
         assert t["present_after_next"] == t["required_after_next"], where
         assert t["hidden_after_next"] == [], where

@@ -216,7 +216,8 @@ def _async_none(rank, world, root):
     hyperdcp.load(back, f"{root}/a")
     # a plain tensor that differs cannot be compared without communication: refused, never collapsed
     hyperdcp.async_save({"bias": torch.full((2,), float(rank))}, f"{root}/b", coordination="none").result(timeout=60)
-    with pytest.raises(hyperdcp.CheckpointError, match=r"tensor 'bias' whole with different contents.*coordination='gloo'"):
+    with pytest.raises(hyperdcp.CheckpointError,
+                       match=r"tensor 'bias' whole with different contents.*coordination='gloo'"):
         hyperdcp.load({"bias": torch.zeros(2)}, f"{root}/b")
     return back["counter"], back["step"], back[f"only{rank}"]
 
@@ -268,5 +269,6 @@ def test_planner_stores_differing_whole_tensors_as_rows_and_refuses_partial_hold
     assert g.tensors == [TensorSpec("w", "F32", (3, 4))] and g.per_rank == {"w": (0, 1, 2)}
     assert g.u_offsets.tolist() == [[0, 0], [1, 0], [2, 0]] and g.u_writer.tolist() == [0, 1, 2]
     partial = whole[:2] + [LocalPlan([w], [], [0], np.array([[0]]), np.array([[2]]))]
-    with pytest.raises(MismatchError, match="'w' differs between the ranks holding it whole, but rank 2 holds only a part"):
+    with pytest.raises(MismatchError,
+                       match="'w' differs between the ranks holding it whole, but rank 2 holds only a part"):
         plan_global(partial, {"w": np.array([0, 1])})

@@ -200,7 +200,8 @@ def test_same_host_shared_memory_and_cross_host_p2p(ckpt):
     unique = hyperdcp.read_metadata(ckpt).tensor_bytes
     hosts = [
         ("one", None, {}),
-        ("one-small", None, {"read_once_batch_bytes": 48, "verify_checksums": False}),  # many batches: both slots reused
+        # many batches: both slots reused
+        ("one-small", None, {"read_once_batch_bytes": 48, "verify_checksums": False}),
         ("two", "h{half}", {}),
         ("four", "h{rank}", {}),
         ("off", None, {}),

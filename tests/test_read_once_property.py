@@ -60,7 +60,8 @@ def cases(draw):
         sizes = rows[:, len(shape):].prod(axis=1) * isz
         begin = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) + 64
         files.append(FileMeta(f"f{t}", int(64 + sizes.sum())))
-        tensors[f"t{t}"] = TensorMeta(dtype, shape, ChunkTable(rows[:, : len(shape)].copy(), rows[:, len(shape):].copy(),
+        tensors[f"t{t}"] = TensorMeta(dtype, shape,
+                                      ChunkTable(rows[:, : len(shape)].copy(), rows[:, len(shape):].copy(),
                                                                np.full(len(rows), t, np.int64), begin,
                                                                begin + sizes, ["0" * 16] * len(rows)))
         dest.append((f"t{t}", dtype, shape, loaded))
@@ -96,7 +97,8 @@ def test_local_schedules_are_the_ranks_parts_of_the_global_one(case):
     old = build_schedule(meta, plans, verify, batch)  # the old builder cuts the same units, needing ranks alike
 
     def units(s):
-        return sorted((u.tidx, u.chunk, u.lo, u.hi, sorted((n.rank, n.entry, n.box.offsets, n.box.lengths) for n in u.needs))
+        return sorted((u.tidx, u.chunk, u.lo, u.hi,
+                       sorted((n.rank, n.entry, n.box.offsets, n.box.lengths) for n in u.needs))
                       for u in s.units)
 
     assert units(ref) == units(old)

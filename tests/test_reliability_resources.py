@@ -237,7 +237,8 @@ def test_conj_and_neg_views_save_and_load_their_values(tmp_path):
     hyperdcp.save(sd, tmp_path / "s")
     hyperdcp.async_save(sd, tmp_path / "a").result(timeout=60)
     for p in ("s", "a"):
-        plain = {"conj": torch.zeros(2, 3, dtype=torch.complex64), "neg": torch.zeros(4), "imag_of_conj": torch.zeros(2, 3)}
+        plain = {"conj": torch.zeros(2, 3, dtype=torch.complex64), "neg": torch.zeros(4),
+                 "imag_of_conj": torch.zeros(2, 3)}
         hyperdcp.load(plain, tmp_path / p)
         assert torch.equal(plain["conj"], z.conj().resolve_conj())
         assert torch.equal(plain["neg"], -torch.arange(4.0))
@@ -253,7 +254,8 @@ def test_sparse_and_nested_tensors_are_refused_naming_the_key(tmp_path, what):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        bad = torch.eye(3).to_sparse() if what == "sparse" else torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+        bad = torch.eye(3).to_sparse() if what == "sparse" else torch.nested.nested_tensor([torch.ones(2),
+            torch.ones(3)])
     for call in (lambda: hyperdcp.save({"m": {"bad": bad}}, tmp_path / "s"),
                  lambda: hyperdcp.async_save({"m": {"bad": bad}}, tmp_path / "a").result(timeout=60)):
         with pytest.raises(hyperdcp.StateDictError, match=rf"'m\.bad'.*{what}"):

@@ -75,7 +75,8 @@ def test_load_on_three_ranks_uneven(hsdp_checkpoint):
 def test_load_in_one_process_as_plain_tensors(hsdp_checkpoint):
     from tests.layouts import GLOBAL, REPLICATED, full
 
-    state = {"model": {n.split(".", 1)[1]: torch.zeros_like(full(n)) for n in {**GLOBAL, **REPLICATED}}, "step": 0, "meta": None}
+    state = {"model": {n.split(".", 1)[1]: torch.zeros_like(full(n)) for n in {**GLOBAL, **REPLICATED}}, "step": 0,
+             "meta": None}
     res = hyperdcp.load(state, hsdp_checkpoint[0])
     check_state(state)
     assert res.bytes_read == hyperdcp.read_metadata(hsdp_checkpoint[0]).tensor_bytes

@@ -112,7 +112,8 @@ def test_kill_9_of_a_rank_during_the_upload(s3, world, trial):
     from tests.faults import s3_kill
 
     root = f"s3://{s3.bucket}/kill"
-    env = {**s3.env, "HYPERDCP_S3_PART_BYTES": str(5 << 20), "HYPERDCP_S3_SINGLE_PUT_BYTES": "0"}  # multipart uploads, killed between parts
+    # multipart uploads, killed between parts
+    env = {**s3.env, "HYPERDCP_S3_PART_BYTES": str(5 << 20), "HYPERDCP_S3_SINGLE_PUT_BYTES": "0"}
     codes = s3_kill.run_trial(env, root, world, delay=random.Random(trial).uniform(0.1, 0.8), timeout=120)
     assert None not in codes, f"a rank did not finish within 120 s: {codes}"
     assert -signal.SIGKILL in codes or s3_kill.check(root) == "committed"  # killed, or after its commit

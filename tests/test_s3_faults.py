@@ -67,7 +67,8 @@ def test_a_part_that_keeps_failing_fails_the_save_naming_the_object(s3, proxy, m
     hyperdcp.save(_state(1), f"{root}/step-1")
     proxy.match = lambda method, path: method == "PUT" and "partNumber=2" in path
     proxy.fault_rate = 1.0
-    with pytest.raises(hyperdcp.StorageError, match=r"part 2 of data file s3://.*/step-2/r00000-\w+-00\.safetensors.*3 attempt"):
+    with pytest.raises(hyperdcp.StorageError,
+                       match=r"part 2 of data file s3://.*/step-2/r00000-\w+-00\.safetensors.*3 attempt"):
         hyperdcp.save(_state(2), f"{root}/step-2")
     proxy.fault_rate = 0.0
     assert s3.boto().list_multipart_uploads(Bucket=s3.bucket).get("Uploads") is None  # aborted

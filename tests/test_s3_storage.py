@@ -51,7 +51,8 @@ def test_save_load_round_trip_with_multipart_and_ranged_reads(s3):
     record = json.loads(s3.boto().get_object(Bucket=s3.bucket, Key="run/step-1/hyperdcp.json")["Body"].read())
     assert _keys(s3) == sorted(["run/step-1/hyperdcp.json"] + [f"run/step-1/{f['name']}" for f in record["files"]])
     head = s3.boto().head_object(Bucket=s3.bucket, Key=f"run/step-1/{record['files'][0]['name']}")
-    assert head["ETag"].strip('"').endswith("-2")  # 12 MiB + header: a 5 MiB part, then the 7 MiB tail (a PUT has no -N)
+    # 12 MiB + header: a 5 MiB part, then the 7 MiB tail (a PUT has no -N)
+    assert head["ETag"].strip('"').endswith("-2")
     back = _zeros(sd)
     out = hyperdcp.load(back, url)
     _same(sd, back)
@@ -262,7 +263,8 @@ def test_a_files_first_read_and_its_header_check_are_one_request(s3):
     a, b = np.arange(300_000, dtype=np.float32), np.arange(200_000, dtype=np.int64)
     hyperdcp.save({"a": a, "b": b}, url)
     meta = load_remote_metadata(url)
-    spans = [(int(c.file[0]), int(c.begin[0]), int(c.end[0] - c.begin[0])) for c in (meta.tensors[k].chunks for k in "ab")]
+    spans = [(int(c.file[0]), int(c.begin[0]),
+              int(c.end[0] - c.begin[0])) for c in (meta.tensors[k].chunks for k in "ab")]
     files = RemoteFiles(url, meta)
     reads = CoalescedReads(files, spans, 16 << 20)
     got = [np.empty(n, np.uint8) for _, _, n in spans]

@@ -180,8 +180,10 @@ def test_hub_snapshot_links_resolve_into_its_blobs(tmp_path):
     assert all(os.path.islink(os.path.join(snap, n)) for n in os.listdir(snap))
     src = open_source(snap)
     blobs = os.path.realpath(str(tmp_path / "hub" / "models--org--tiny" / "blobs"))
-    assert sorted(src.links) == sorted(os.listdir(snap)) and all(p.startswith(blobs + os.sep) for p in src.links.values())
-    assert [f.name for f in src.metadata.files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert sorted(src.links) == sorted(os.listdir(snap)) and all(p.startswith(blobs + os.sep)
+                                                                 for p in src.links.values())
+    assert [f.name for f in src.metadata.files] == ["model-00001-of-00002.safetensors",
+                                                    "model-00002-of-00002.safetensors"]
 
 
 @pytest.mark.parametrize("where", ["outside the cache", "another repository"])
@@ -245,7 +247,8 @@ def test_open_source_says_why_no_kind_matched(tmp_path):
     with pytest.raises(hyperdcp.IncompleteCheckpointError,
                        match=r"has no hyperdcp\.json.*not huggingface: no \*\.safetensors file"):
         open_source(str(empty))
-    with pytest.raises(hyperdcp.CheckpointNotFoundError, match="does not exist.*not huggingface: the path does not exist"):
+    with pytest.raises(hyperdcp.CheckpointNotFoundError,
+                       match="does not exist.*not huggingface: the path does not exist"):
         hyperdcp.read_metadata(str(tmp_path / "nowhere"))
     dcp = tmp_path / "dcp"
     dcp.mkdir()

@@ -28,7 +28,8 @@ def _state(zeros: bool = False) -> dict:
                   "ids": z(torch.arange(10, dtype=torch.int64)), "mask": z(torch.rand(5, generator=g) > 0.5),
                   "scale": z(torch.tensor(2.5)), "empty": z(torch.zeros(0, 3))},
         "step": 0 if zeros else 11,
-        "sched": {"lr": 0.0 if zeros else 3e-4, "milestones": [] if zeros else [10, 20], "name": "" if zeros else "cos"},
+        "sched": {"lr": 0.0 if zeros else 3e-4, "milestones": [] if zeros else [10, 20],
+                  "name": "" if zeros else "cos"},
     }
 
 

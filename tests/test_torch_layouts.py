@@ -106,7 +106,8 @@ def scenario_sub_mesh(rank, world, tmp):
     assert list(meta.tensors["w"].shape) == [4]
     out = {}
     for read_once in (True, False):
-        st = {"w": distribute_tensor(torch.zeros(4), sub, [Shard(0)]), "b": distribute_tensor(torch.zeros(6), full, [Shard(0)])}
+        st = {"w": distribute_tensor(torch.zeros(4), sub, [Shard(0)]),
+              "b": distribute_tensor(torch.zeros(6), full, [Shard(0)])}
         res = hyperdcp.load(st, path, read_once=read_once)
         assert st["w"].to_local().tolist() == ([0.0, 1.0, 2.0, 3.0] if rank == 0 else [])
         assert torch.equal(st["b"].full_tensor(), b)
@@ -242,7 +243,8 @@ def test_strided_grid_boxes_follow_torch_rule(mesh_shape):
                 continue
             layout = GridLayout(mesh, tuple(REPLICATE if isinstance(p, Replicate) else p.dim for p in placements),
                                 GridLayout.digest_mesh(mesh), (),
-                                tuple(getattr(p, "split_factor", 1) if not isinstance(p, Replicate) else 1 for p in placements))
+                                tuple(getattr(p, "split_factor", 1) if not isinstance(p,
+                                    Replicate) else 1 for p in placements))
             ranks, offs, lens = layout.boxes(shape)
             for r in range(mesh.size):
                 coord = np.unravel_index(r, mesh_shape)
@@ -253,7 +255,8 @@ def test_strided_grid_boxes_follow_torch_rule(mesh_shape):
                         if isinstance(p, Replicate) or p.dim != d:
                             continue
                         if isinstance(p, _StridedShard):
-                            cur, off = p.local_shard_size_and_offset(cur, mesh_shape[i], int(coord[i]), _StridedShardOffsetMode.ALL)
+                            cur, off = p.local_shard_size_and_offset(cur, mesh_shape[i], int(coord[i]),
+                                                                     _StridedShardOffsetMode.ALL)
                             idx = idx[torch.tensor(off, dtype=torch.long)] if cur else idx[:0]
                         else:
                             cur, off = Shard.local_shard_size_and_offset(cur, mesh_shape[i], int(coord[i]))

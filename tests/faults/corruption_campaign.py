@@ -74,7 +74,8 @@ def build(root: str) -> tuple[str, dict]:
 
 def build_rank_files(root: str, state: dict) -> str:
     path = os.path.join(root, "pristine-nc")
-    hyperdcp.async_save(state, path, coordination="none", checksum_block_bytes=1024, files_per_rank=3).result(timeout=120)
+    hyperdcp.async_save(state, path, coordination="none", checksum_block_bytes=1024,
+                        files_per_rank=3).result(timeout=120)
     return path
 
 

@@ -79,7 +79,8 @@ def expected(step: int, world: int) -> dict:
     return {"model": {f"t{i}": full(i, step, world) for i in range(NTENSORS)}, "step": step}
 
 
-def worker(rank: int, world: int, root: str, step: int, mode: str, coordination: str = "gloo", timeout: float = TIMEOUT):
+def worker(rank: int, world: int, root: str, step: int, mode: str, coordination: str = "gloo",
+           timeout: float = TIMEOUT):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -283,7 +284,8 @@ def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, roo
             strict = (sig == "TERM" and mode != "sync") or mode == "async-rank"
             left = sorted(e for e in os.listdir(root) if e.startswith(f".step-{step}.hyperdcp-"))
             if left and strict:
-                problems.append(f"left behind by a {sig}ed {'training process' if mode != 'async-persist' else 'persist process'}: {left}")
+                problems.append(f"left behind by a {sig}ed "
+                                f"{'training process' if mode != 'async-persist' else 'persist process'}: {left}")
             elif left:
                 bump(f"SIG{sig} of the committer: temporary directory/lock left for the next save")
             orphans = shm_orphans()
@@ -295,7 +297,8 @@ def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, roo
             if any(v[0] == "hung" for v in survivors.values()):
                 problems.append(f"hung ranks: {[k for k, v in survivors.items() if v[0] == 'hung']}")
             if any(v[0] == "error" for v in survivors.values()):
-                problems.append(f"non-CheckpointError on a rank: {[v[1][-300:] for v in survivors.values() if v[0] == 'error']}")
+                problems.append("non-CheckpointError on a rank: "
+                                f"{[v[1][-300:] for v in survivors.values() if v[0] == 'error']}")
             max_survivor_s = max(max_survivor_s, info["survivors_s"])
             reported = [k for k, v in out.items() if v[0] == "ok" and v[1][0] == "saved"]
             complete = _complete(path)
@@ -364,7 +367,8 @@ def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, roo
         clear_ready(step)
         orphans_at_end = shm_orphans()  # the final save reclaimed any the trials left
         if orphans_at_end:
-            failures.append({"trial": "final", "problems": [f"orphaned shared memory after the final save: {orphans_at_end}"]})
+            failures.append({"trial": "final",
+                             "problems": [f"orphaned shared memory after the final save: {orphans_at_end}"]})
         final_ok = all(o[0] == "ok" and o[1][0] == "saved" for o in out.values()) and _complete(
             os.path.join(root, f"step-{step}"))
         if not final_ok:
@@ -374,7 +378,8 @@ def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, roo
         if tmp is not None:
             tmp.cleanup()
     counts.pop("_pending_retry", None)
-    return {"mode": mode, "signal": sig, "coordination": coordination if mode != "sync" else None, "world": world, "trials": trials,
+    return {"mode": mode, "signal": sig, "coordination": coordination if mode != "sync" else None, "world": world,
+            "trials": trials,
             "seed": seed, "timeout_s": timeout, "void_trials": voids, "warmup_commit_latency_s": warm_latencies,
             "final_window_s": round(window_scale * float(np.median(latencies)), 3),
             "max_survivor_end_s": max_survivor_s, "final_save_ok": final_ok, "leftover_entries_at_end": leftovers,

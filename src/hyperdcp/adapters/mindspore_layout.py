@@ -130,7 +130,8 @@ def check_shape(fqn: str, ms: MsLayout, shape: Sequence[int]) -> None:
                              f"{len(ms.tensor_map)} entries")
     for d, (s, p) in enumerate(zip(shape, ms.strategy())):
         if s % p:
-            raise StateDictError(f"{fqn!r}: dim {d} of shape {tuple(shape)} is split in {p} pieces but is not divisible "
+            raise StateDictError(f"{fqn!r}: dim {d} of shape {tuple(shape)} is split in {p} pieces but is not "
+                                 "divisible "
                                  f"by {p}; MindSpore layouts split evenly")
 
 

@@ -25,7 +25,8 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
     a = sub.add_parser("hf-to-hyperdcp", aliases=["hf-to-dcp"],
                        help="HF model directory or .safetensors file -> hyperdcp checkpoint")
-    a.add_argument("src", metavar="SRC", help="HF model directory (model.safetensors or sharded with an index) or a .safetensors file")
+    a.add_argument("src", metavar="SRC",
+                   help="HF model directory (model.safetensors or sharded with an index) or a .safetensors file")
     a.add_argument("dst", metavar="DST", help="hyperdcp checkpoint to create: a directory or an s3:// URL")
     b = sub.add_parser("hyperdcp-to-hf", aliases=["dcp-to-hf"],
                        help="hyperdcp checkpoint -> HF safetensors shards + model.safetensors.index.json",
@@ -38,7 +39,8 @@ def register(subparsers) -> None:
     b.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB; e.g. 500MB, 2GiB)")
     b.add_argument("--dtype", default=None, help="cast floating tensors to bf16, f16, f32 or f64")
     b.add_argument("--values-file", default=None, metavar="PATH",
-                   help="write the checkpoint's non-tensor values to this JSON file (otherwise they are listed and skipped)")
+                   help="write the checkpoint's non-tensor values to this JSON file (otherwise they are listed and "
+                        "skipped)")
     b.add_argument("--include", action="append", default=[], metavar="PREFIX",
                    help="export only keys starting with PREFIX (repeatable; plain string prefix, e.g. 'model.')")
     b.add_argument("--exclude", action="append", default=[], metavar="PREFIX",
@@ -114,7 +116,8 @@ def run(args) -> int:
             print(f"non-tensor values written to {safe(args.values_file)}", file=sys.stderr)
         tops = _top_prefixes(r.tensor_names) if not (args.include or args.exclude or args.strip_prefix) else []
         if len(tops) > 1:
-            hint = (f"; the names start with {', '.join(safe(t) for t in tops[:5])}: to export only the model's weights "
+            hint = (f"; the names start with {', '.join(safe(t) for t in tops[:5])}: to export only the model's "
+                    "weights "
                     f"pass e.g. --include {safe(tops[0])} --strip-prefix {safe(tops[0])}")
     if not args.quiet:
         print(f"{direction}: {r.tensors} tensors, {r.tensor_bytes / 1e9:.3f} GB in {r.seconds:.2f} s "

@@ -17,7 +17,8 @@ def register(subparsers) -> None:
         description="Print one row per tensor (dtype, global shape, chunks, bytes, files), totals, the saving "
         "world size and the format version. Reads only metadata and headers.",
     )
-    p.add_argument("path", metavar="PATH", help="hyperdcp checkpoint (path or URL), HF model directory, hub snapshot or .safetensors file")
+    p.add_argument("path", metavar="PATH",
+                   help="hyperdcp checkpoint (path or URL), HF model directory, hub snapshot or .safetensors file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--source", default="auto", choices=["auto", "hyperdcp", "huggingface", "torch-dcp"],
                    help="the checkpoint's kind (default: detected; torch-dcp is never detected, as reading it "
@@ -39,7 +40,8 @@ def run(args) -> int:
         sys.stdout.write("\n")
         return 0
     head = ("tensor", "dtype", "shape", "chunks", "bytes", "files")
-    rows = [(safe(t["name"]), t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]", str(t["chunks"]), str(t["bytes"]),
+    rows = [(safe(t["name"]), t["dtype"], "[" + ", ".join(map(str, t["shape"])) + "]", str(t["chunks"]),
+             str(t["bytes"]),
              safe(_files_cell(t["files"]))) for t in rep["tensors"]]
     w = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(head)]
     right = {3, 4}

@@ -105,7 +105,8 @@ class FileCoordinator(Coordinator):
         if self.rank == src:
             for r, p in enumerate(parts):
                 self._write(self._name(op, "sc", r), bytes(p))
-        return self._read({self.rank: self._name(op, "sc", self.rank)}, f"exchange {op} (scatter from rank {src})")[self.rank]
+        return self._read({self.rank: self._name(op, "sc", self.rank)},
+                          f"exchange {op} (scatter from rank {src})")[self.rank]
 
     def broadcast(self, data: bytes | None, src: int = 0) -> bytes:
         op = self._next()

@@ -1,7 +1,8 @@
 """A :class:`~hyperdcp.coordination.base.Coordinator` over MindSpore's collective communication.
 
 For jobs launched with ``msrun`` after ``mindspore.communication.init()`` (``mccl`` on CPU, hccl/nccl on
-devices): byte strings travel as int32 tensors (the dtypes MindSpore's CPU AllGather takes) through MindSpore's ``AllGather`` (lengths first, then
+devices): byte strings travel as int32 tensors (the dtypes MindSpore's CPU AllGather takes) through MindSpore's
+``AllGather`` (lengths first, then
 the payloads padded to the longest). Every collective is one or two all-gathers, so gather, scatter
 and broadcast move ``world_size`` times the bytes a dedicated collective would: meant for the
 metadata-sized messages of saves and loads (plans, status), not for tensor data, which hyperdcp

@@ -52,7 +52,8 @@ def _check_whole(path: str, docs: dict[int, dict], W: int) -> None:
             first = seen.setdefault(fqn, (d, r))
             if first[0] != d:
                 raise MismatchError(
-                    f"checkpoint {path!r} (no-collectives mode): ranks {first[1]} and {r} saved tensor {fqn!r} whole with "
+                    f"checkpoint {path!r} (no-collectives mode): ranks {first[1]} and {r} saved tensor {fqn!r} whole "
+                    "with "
                     "different contents, but this mode writes one copy of a tensor every rank holds whole (it cannot "
                     "compare them without communication), so it cannot restore each rank's own. Save per-rank tensors "
                     "with coordination='gloo' or 'file' (they are then stored per rank), or under per-rank keys"
@@ -137,7 +138,8 @@ def _merge(path: str, docs: dict[int, dict]) -> Metadata:
         missing = [r for r in range(min(W, len(docs) + 16)) if r not in docs][:16]
         raise IncompleteCheckpointError(
             f"incomplete checkpoint at {path!r} (no-collectives mode): rank file(s) of rank(s) {missing} "
-            f"({W - len(docs)} in all) of {W} are missing (those ranks' saves did not finish); load an earlier checkpoint"
+            f"({W - len(docs)} in all) of {W} are missing (those ranks' saves did not finish); load an earlier "
+            "checkpoint"
         )
     _check_whole(path, docs, W)
     files: list[FileMeta] = []

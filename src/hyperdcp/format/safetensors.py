@@ -81,7 +81,8 @@ def read_header(pread: Callable[[int, int], bytes], file_size: int, where: str,
         raise CorruptionError(f"{where}: file truncated inside its header length")
     (n,) = struct.unpack("<Q", prefix)
     if n > MAX_HEADER_BYTES or 8 + n > file_size:
-        raise FormatError(f"{where}: declared header size {n} is larger than the file or the {MAX_HEADER_BYTES}-byte limit")
+        raise FormatError(f"{where}: declared header size {n} is larger than the file or the {MAX_HEADER_BYTES}-byte "
+                          "limit")
     raw = pread(n, 8)
     if len(raw) != n:
         raise CorruptionError(f"{where}: file truncated inside its header")
@@ -101,13 +102,15 @@ def read_header(pread: Callable[[int, int], bytes], file_size: int, where: str,
             if file_metadata is not None:
                 file_metadata.update(v)
             continue
-        if not isinstance(v, dict) or not isinstance(v.get("shape"), list) or not isinstance(v.get("data_offsets"), list):
+        if not isinstance(v, dict) or not isinstance(v.get("shape"), list) or not isinstance(v.get("data_offsets"),
+            list):
             raise FormatError(f"{where}: entry {k!r} lacks dtype/shape/data_offsets")
         shape, offs = v["shape"], v["data_offsets"]
         if any(type(s) is not int or s < 0 for s in shape) or len(shape) > 64:
             raise FormatError(f"{where}: entry {k!r} has an invalid shape {shape!r}")
         if len(offs) != 2 or any(type(o) is not int for o in offs) or not 0 <= offs[0] <= offs[1] <= data_len:
-            raise FormatError(f"{where}: entry {k!r} has data_offsets {offs!r} outside the file's {data_len} data bytes")
+            raise FormatError(f"{where}: entry {k!r} has data_offsets {offs!r} outside the file's {data_len} data "
+                              "bytes")
         try:
             size = dtypes.itemsize(v.get("dtype"))
         except FormatError as e:
@@ -116,6 +119,7 @@ def read_header(pread: Callable[[int, int], bytes], file_size: int, where: str,
         for s in shape:
             numel *= s
         if numel * size != offs[1] - offs[0]:
-            raise FormatError(f"{where}: entry {k!r} byte range does not match shape {shape} and dtype {v.get('dtype')}")
+            raise FormatError(f"{where}: entry {k!r} byte range does not match shape {shape} and dtype "
+                              f"{v.get('dtype')}")
         entries[k] = (v["dtype"], tuple(shape), data_start + offs[0], data_start + offs[1])
     return entries, data_start

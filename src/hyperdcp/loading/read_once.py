@@ -195,7 +195,8 @@ class _Exchange:
 
         if self.opts.read_threads > 1 and len(mine) > 1:
             with ThreadPoolExecutor(min(self.opts.read_threads, len(mine))) as ex:
-                list(ex.map(one, sorted(mine, key=lambda u: (self.meta.tensors[self.names[u.tidx]].chunks.file[u.chunk], u.uid))))
+                list(ex.map(one,
+                    sorted(mine, key=lambda u: (self.meta.tensors[self.names[u.tidx]].chunks.file[u.chunk], u.uid))))
         else:
             for u in mine:
                 one(u)
@@ -208,7 +209,8 @@ class _Exchange:
                 flat = np.empty(m.nbytes, dtype=np.uint8)
                 for u, n, off in m.packed:
                     isz = dtypes.itemsize(self.meta.tensors[self.names[u.tidx]].dtype)
-                    np.copyto(flat[off : off + n.nbytes].reshape(byte_shape(n.box.lengths, isz)), self._src(bufs, u, n, flat=False))
+                    np.copyto(flat[off : off + n.nbytes].reshape(byte_shape(n.box.lengths, isz)),
+                              self._src(bufs, u, n, flat=False))
                 out.append((m, flat))
         bsend = {u.uid: self._src(bufs, u, u.needs[0], flat=True) for u in mine if u.bcast}
         return {"sends": out, "recvs": recvs, "bsend": bsend, "batch": batch}
@@ -228,7 +230,8 @@ class _Exchange:
                 else:
                     raise CheckpointError(
                         f"read-once: rank {me} cannot reserve {size} bytes of shared memory in {self.seg.path} "
-                        f"({e.strerror or e}); free /dev/shm, lower read_once_batch_bytes or set HYPERDCP_READ_ONCE_SHM=0"
+                        f"({e.strerror or e}); free /dev/shm, lower read_once_batch_bytes or set "
+                        "HYPERDCP_READ_ONCE_SHM=0"
                     ) from None
             try:
                 self.own_map = mmap.mmap(self.seg.fd, size)
@@ -266,7 +269,8 @@ class _Exchange:
             for n in u.needs:
                 # this rank's own pieces of the units it read into its slot, too: the reading thread
                 # goes on with the next batch meanwhile (batch k's slot is reused only after exchange k+1)
-                if n.rank == self.me and (self.shm.via(u, self.me) or (u.reader == self.me and u.uid in self.shm.offset)):
+                if n.rank == self.me and (self.shm.via(u,
+                                                       self.me) or (u.reader == self.me and u.uid in self.shm.offset)):
                     p = self._piece(u, n)
                     if p.dst is not None:
                         copy_piece(self._slot(u.reader, k, u), self._chunk_read(u, []), self.meta, p)

@@ -130,13 +130,15 @@ def group_reads(meta: Metadata, pieces: list[Piece], verify: bool) -> list[Chunk
     return out
 
 
-def src_view(buf: np.ndarray, read: ChunkRead, chunk_box: Box, piece: Box, stored_dtype: str, typed: bool) -> np.ndarray:
+def src_view(buf: np.ndarray, read: ChunkRead, chunk_box: Box, piece: Box, stored_dtype: str,
+             typed: bool) -> np.ndarray:
     """A strided view of ``piece`` inside a buffer holding bytes ``[read.lo, read.hi)`` of the chunk."""
     isz = dtypes.itemsize(stored_dtype)
     st = chunk_strides(chunk_box.lengths, isz)
     s, _ = byte_span(chunk_box, piece, isz)
     if typed:
-        return np.ndarray(piece.lengths, dtype=dtypes.to_numpy(stored_dtype), buffer=buf, offset=s - read.lo, strides=st)
+        return np.ndarray(piece.lengths, dtype=dtypes.to_numpy(stored_dtype), buffer=buf, offset=s - read.lo,
+                          strides=st)
     return np.ndarray(byte_shape(piece.lengths, isz), dtype=np.uint8, buffer=buf, offset=s - read.lo,
                       strides=st + (1,) if len(st) < _NP_MAXDIMS else st[:-1] + (1,))
 

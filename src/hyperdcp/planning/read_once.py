@@ -161,7 +161,8 @@ def decode_plan(meta: Metadata, raw: bytes, rank: int) -> list[tuple[int, int, B
             raise ValueError("trailing box coordinates")
         return out
     except (ValueError, KeyError, IndexError, TypeError) as e:
-        raise MismatchError(f"read-once: the load plan of rank {rank} is malformed ({e}); do all ranks run the same hyperdcp version?") from None
+        raise MismatchError(f"read-once: the load plan of rank {rank} is malformed ({e}); do all ranks run the same "
+                            "hyperdcp version?") from None
 
 
 def _own_plan(meta: Metadata, pieces: Sequence[Piece]) -> list[tuple[int, int, Box]]:
@@ -217,7 +218,8 @@ def derive_plans(meta: Metadata, tensors: Sequence[ShardedTensor], world: int,
             if len(rows) and nd == 0:  # scalars: one empty-coordinate box
                 inv, boxes = np.zeros(len(rows), np.int64), [Box((), ())]
             elif len(rows):  # distinct boxes (replicas share one) through a 1-D view of the rows
-                _, first, inv = np.unique(rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).reshape(-1),
+                _, first, inv = np.unique(rows.view(np.dtype((np.void,
+                                                              rows.dtype.itemsize * rows.shape[1]))).reshape(-1),
                                           return_index=True, return_inverse=True)
                 boxes = [Box(tuple(r[:nd]), tuple(r[nd:])) for r in rows[first].tolist()]
             else:

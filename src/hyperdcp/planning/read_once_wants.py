@@ -93,7 +93,8 @@ class _DimRuns:
 
     def hits(self, lo: int, hi: int) -> range:
         """Positions of the runs that overlap [lo, hi)."""
-        return range(int(np.searchsorted(self.end, lo, side="right")), int(np.searchsorted(self.start, hi, side="left")))
+        return range(int(np.searchsorted(self.end, lo, side="right")),
+                     int(np.searchsorted(self.start, hi, side="left")))
 
 
 class GridIndex:
@@ -129,7 +130,8 @@ class GridIndex:
         per_dim = []
         for d, dr in enumerate(self.dims):
             lo, hi = chunk.offsets[d], chunk.offsets[d] + chunk.lengths[d]
-            per_dim.append([(int(dr.sub[p]), max(lo, int(dr.start[p])), min(hi, int(dr.end[p]))) for p in dr.hits(lo, hi)])
+            per_dim.append([(int(dr.sub[p]), max(lo, int(dr.start[p])), min(hi, int(dr.end[p]))) for p in dr.hits(lo,
+                hi)])
         out = []
         for combo in itertools.product(*per_dim):
             ranks = np.sort(self.lines[tuple(s for s, _, _ in combo)].reshape(-1))

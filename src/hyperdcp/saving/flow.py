@@ -176,7 +176,8 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
         try:
             files = staging if staging is not None else storage.writer_at(location)
             result = write.write_assigned(files, rank, staged, assignment, opts,
-                                          token=save_token(os.path.basename(location.rstrip("/"))), per_rank=per_rank.tensors)
+                                          token=save_token(os.path.basename(location.rstrip("/"))),
+                                          per_rank=per_rank.tensors)
             if per_rank.values:  # this rank's own copies of the values stored per rank travel with its results
                 enc = staged.encoded_values()
                 head, arr = wire.unpack(result)

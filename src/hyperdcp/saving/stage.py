@@ -76,7 +76,8 @@ def check_storable(fqn: str, shape: tuple[int, ...], dtype: str) -> None:
 def stage(state_dict: Any, ctx: Coordinator) -> StagedState:
     """Describe ``state_dict`` for saving (no copies of CPU tensors; device tensors come to host)."""
     if not isinstance(state_dict, dict) and not hasattr(state_dict, "state_dict"):
-        raise StateDictError(f"the state dict must be a dict (or an object with state_dict()), got {type(state_dict).__name__}")
+        raise StateDictError("the state dict must be a dict (or an object with state_dict()), got "
+                             f"{type(state_dict).__name__}")
     tensors, vals, enc = [], {}, {}
     for fqn, kind, v in iter_leaves(state_dict):
         if kind == TENSOR:

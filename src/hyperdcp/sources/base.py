@@ -144,7 +144,8 @@ class ChunkReader:
                 for i in range(len(c)):
                     box = c.box(i)
                     name = chunk_name(fqn, box.offsets, box.lengths == tuple(t.shape))
-                    by_file.setdefault(int(c.file[i]), {})[name] = (t.dtype, box.lengths, int(c.begin[i]), int(c.end[i]))
+                    by_file.setdefault(int(c.file[i]), {})[name] = (t.dtype, box.lengths, int(c.begin[i]),
+                                                                    int(c.end[i]))
             self._by_file = by_file
         want = self._by_file.get(fidx, {})
         if entries != want:

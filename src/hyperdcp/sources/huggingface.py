@@ -207,7 +207,8 @@ def hf_files(path: str | os.PathLike, links: dict[str, str] | None = None
     indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]
     if len(indexes) > 1:
         if INDEX_FILE not in indexes:
-            raise FormatError(f"{path!r} holds several index files {indexes}; pass the shard file you want or keep one index")
+            raise FormatError(f"{path!r} holds several index files {indexes}; pass the shard file you want or keep one "
+                              "index")
         indexes = [INDEX_FILE]
     if indexes:
         index_path = _resolve(path, indexes[0], hub_repo(path), links)
@@ -257,7 +258,8 @@ def read_source(path: str | os.PathLike) -> HuggingFaceSource:
             if tname in tensors:
                 hint = ("; these are shards written by torch.distributed.checkpoint (DCP_SHARDING_INFO): load them "
                         "with source=\"torch-dcp\"" if isinstance(meta, dict) and "DCP_SHARDING_INFO" in meta else "")
-                raise FormatError(f"tensor {tname!r} is stored both in {where_of[tname]} and in {name} under {root!r}{hint}")
+                raise FormatError(f"tensor {tname!r} is stored both in {where_of[tname]} and in {name} under "
+                                  f"{root!r}{hint}")
             where_of[tname] = name
             tensors[tname] = _whole_tensor(code, shape, fi, begin, end)
     if wm is not None:

@@ -47,7 +47,8 @@ from .safe_open import read_regular
 _TMP = ".hyperdcp-tmp-"
 _OLD = ".hyperdcp-old-"
 #: names hyperdcp writes inside a checkpoint directory (commit record, rank files, data files, temporaries)
-_OURS = re.compile(r"hyperdcp\.json(\.tmp)?|hyperdcp\.rank-[0-9]{5,}\.json(\.tmp)?|(r[0-9]{5,}-([0-9A-Za-z]+-)?[0-9]{2,}|hf[0-9]{5,}|hyperdcp-index-[0-9a-z]+)\.safetensors")
+_OURS = re.compile(r"hyperdcp\.json(\.tmp)?|hyperdcp\.rank-[0-9]{5,}\.json(\.tmp)?"
+                   r"|(r[0-9]{5,}-([0-9A-Za-z]+-)?[0-9]{2,}|hf[0-9]{5,}|hyperdcp-index-[0-9a-z]+)\.safetensors")
 #: environment switch: commit overwrites with two renames instead of renameat2(RENAME_EXCHANGE)
 NO_EXCHANGE_ENV = "HYPERDCP_NO_RENAME_EXCHANGE"
 #: file descriptors a save keeps in reserve so that cleaning up after it never fails for lack of them

@@ -50,7 +50,8 @@ _OWNED = re.compile(r"^r\d{5}-(?:[0-9a-f]{12}-)?\d{2,}\.safetensors$")
 def _wrap(action: str, url: str, e: BaseException) -> StorageError:
     if isinstance(e, StorageError):
         return e
-    return StorageError(f"{' '.join(x for x in (action, url) if x)} failed ({type(e).__name__}: {str(e)[:300]}); check the URL, the endpoint "
+    return StorageError(f"{' '.join(x for x in (action, url) if x)} failed ({type(e).__name__}: {str(e)[:300]}); check "
+                        "the URL, the endpoint "
                         "(AWS_ENDPOINT_URL), the credentials and the network, then retry")
 
 
@@ -252,7 +253,8 @@ class ObjectStorage(Storage):
         self.bucket, self.prefix = split_url(self.url)
         self.storage_options = dict(storage_options or {})
         part_bytes = int(self.storage_options.pop("part_bytes", os.environ.get("HYPERDCP_S3_PART_BYTES", part_bytes)))
-        concurrency = int(self.storage_options.pop("concurrency", os.environ.get("HYPERDCP_S3_CONCURRENCY", concurrency)))
+        concurrency = int(self.storage_options.pop("concurrency",
+                                                   os.environ.get("HYPERDCP_S3_CONCURRENCY", concurrency)))
         self.part_bytes = max(5 << 20, int(part_bytes))
         self.max_request_bytes = self.part_bytes
         self.concurrency = max(1, int(concurrency))
@@ -348,7 +350,8 @@ class ObjectStorage(Storage):
         got = [one(spans[0])] if len(spans) == 1 else [f.result() for f in [self.pool.submit(one, s) for s in spans]]
         if any(g < n for g, (_, n) in zip(got, spans)):
             raise CorruptionError(
-                f"{self.path(name)}: unexpected end of file while reading {what} ({len(mv)} bytes from offset {offset}); "
+                f"{self.path(name)}: unexpected end of file while reading {what} ({len(mv)} bytes from offset "
+                f"{offset}); "
                 "the object is truncated; restore it or load another checkpoint")
         with self._lock:
             self.reads += 1

@@ -347,7 +347,8 @@ def dcp_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size:
     out_code = {n: (cast if cast and t.dtype in FLOAT_CODES else t.dtype) for n, t in meta.tensors.items()}
     if "__metadata__" in meta.tensors:
         raise FormatError(f"{src!r}: a tensor is named '__metadata__', which safetensors reserves; rename it first")
-    out_bytes = {n: t.nbytes // dtypes.itemsize(t.dtype) * dtypes.itemsize(out_code[n]) for n, t in meta.tensors.items()}
+    out_bytes = {n: t.nbytes // dtypes.itemsize(t.dtype) * dtypes.itemsize(out_code[n]) for n,
+                 t in meta.tensors.items()}
     shards = plan_shards(out_bytes, limit)
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -366,7 +367,8 @@ def dcp_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size:
         for si, shard in enumerate(shards):
             # like the safetensors library: larger alignment first, then name, so every tensor stays aligned
             shard.sort(key=lambda nm: (-dtypes.itemsize(out_code[nm]), nm))
-            header, starts = _hf_header([(nm, out_code[nm], meta.tensors[nm].shape, out_bytes[nm]) for nm in shard], hf_meta)
+            header, starts = _hf_header([(nm, out_code[nm], meta.tensors[nm].shape, out_bytes[nm]) for nm in shard],
+                                        hf_meta)
             try:
                 fd = os.open(partial[si], os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
             except OSError as e:
@@ -412,7 +414,8 @@ def dcp_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size:
         skipped = sorted(meta.values)
         if values_file and meta.values:
             enc = {k: values_codec.encode(v, k) for k, v in meta.values.items()}
-            _write_small(values_file, json.dumps({"format": "hyperdcp-values", "values": enc}, indent=1).encode() + b"\n")
+            _write_small(values_file,
+                         json.dumps({"format": "hyperdcp-values", "values": enc}, indent=1).encode() + b"\n")
     except BaseException:
         for p in partial:
             if os.path.exists(p):
@@ -433,10 +436,12 @@ def _prepare_hf_dir(dst: str, overwrite: bool) -> None:
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise StorageError(f"cannot write to {dst!r}: it is an existing file; choose a directory path")
     os.makedirs(dst, exist_ok=True)
-    existing = [n for n in os.listdir(dst) if n.endswith(".safetensors") or n.endswith(INDEX_SUFFIX) or n == METADATA_FILE]
+    existing = [n for n in os.listdir(dst) if n.endswith(".safetensors") or n.endswith(INDEX_SUFFIX) or n
+                == METADATA_FILE]
     if existing and not overwrite:
         raise CheckpointExistsError(
-            f"{dst!r} already holds {existing[:3]}; pass --overwrite (overwrite=True) to replace them or choose an empty directory"
+            f"{dst!r} already holds {existing[:3]}; pass --overwrite (overwrite=True) to replace them or choose an "
+            "empty directory"
         )
     if METADATA_FILE in existing:
         raise CheckpointExistsError(f"{dst!r} is a hyperdcp checkpoint; refusing to write HF files into it")
