@@ -275,8 +275,7 @@ def main() -> None:
                         env=env)
         unique = args.tensors * args.rows * args.cols * 4
         print(f"{args.ranks} ranks, HSDP mesh {tuple(args.mesh)}, {args.tensors} x ({args.rows}, {args.cols}) float32 "
-              "= "
-              f"{unique / 2**20:.0f} MiB unique; moto {server.proc.args[2:]} behind a counting proxy on 127.0.0.1; "
+              f"= {unique / 2**20:.0f} MiB unique; moto {server.proc.args[2:]} behind a counting proxy on 127.0.0.1; "
               f"parts / ranged GETs of {args.part_mib} MiB; load average before: {load[0]:.1f}; run "
               f"{time.perf_counter() - t:.0f} s")
         print(f"{'case':<22}{'library':<10}{'wall s':>8}{'MB/s':>8}{'up/unique':>10}{'down/unique':>12}"

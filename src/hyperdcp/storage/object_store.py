@@ -51,8 +51,7 @@ def _wrap(action: str, url: str, e: BaseException) -> StorageError:
     if isinstance(e, StorageError):
         return e
     return StorageError(f"{' '.join(x for x in (action, url) if x)} failed ({type(e).__name__}: {str(e)[:300]}); check "
-                        "the URL, the endpoint "
-                        "(AWS_ENDPOINT_URL), the credentials and the network, then retry")
+                        "the URL, the endpoint (AWS_ENDPOINT_URL), the credentials and the network, then retry")
 
 
 class _Upload(FileWriter):
