@@ -345,7 +345,8 @@ def main() -> None:
             wall = walls[key] = med(each)
             peak = med(max(r[key][i]["peak_extra"] for r in res) for i in range(n)) / 2**20
             host_extra = med(res[0][key][i]["host_added"] for i in range(n)) / 2**20
-            print(f"{case:<16}{lib:<10}{counted:>14.3f}{rchar:>12.3f}{disk:>11.3f}{wall:>8.2f}{wall / floor[case]:>8.2f}"
+            print(f"{case:<16}{lib:<10}{counted:>14.3f}{rchar:>12.3f}{disk:>11.3f}{wall:>8.2f}"
+                  f"{wall / floor[case]:>8.2f}"
                   f"{host_extra:>16.0f}{peak:>19.0f}   {' '.join(f'{w:.2f}' for w in each)}")
             if first[0]["counted"] is not None:  # read-once: how evenly the ranks share the reading
                 per = [x["counted"] for x in first]

@@ -90,8 +90,8 @@ def timeline(log: list, t0: float) -> str:
 
 def _diff(a: dict, b: dict) -> dict:
     return {"requests": b.get("requests", 0) - a.get("requests", 0),
-            "up": b.get("bytes_in_PUT", 0) + b.get("bytes_in_POST", 0) - a.get("bytes_in_PUT",
-                0) - a.get("bytes_in_POST", 0),
+            "up": b.get("bytes_in_PUT", 0) + b.get("bytes_in_POST", 0)
+            - a.get("bytes_in_PUT", 0) - a.get("bytes_in_POST", 0),
             "down": b.get("bytes_out_GET", 0) - a.get("bytes_out_GET", 0)}
 
 
@@ -229,8 +229,8 @@ buf = bytearray(n); t = time.perf_counter()
 st.read_into('r00000-000000000000-00.safetensors', 0, buf)
 down = time.perf_counter() - t
 assert buf == data
-print(json.dumps({{'up_MBps': n / up / 1e6, 'down_MBps': n / down / 1e6, 'peak_extra_MiB': (hwm('VmHWM') - rss) / 2**20
-- {mib}}}))
+print(json.dumps({{'up_MBps': n / up / 1e6, 'down_MBps': n / down / 1e6,
+                  'peak_extra_MiB': (hwm('VmHWM') - rss) / 2**20 - {mib}}}))
 """
 
 
@@ -297,9 +297,7 @@ def main() -> None:
         if args.clients:
             for kind, r in compare_clients(args, env).items():
                 print(f"client {kind:<8} {args.client_mib} MiB, one process: "
-                      + ", ".join(f"{k} {v:.1f}" if isinstance(v, float)
-                                                                                      else f"{k} {v}" for k,
-                                                                                          v in r.items()))
+                      + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
     finally:
         proxy.stop()
         server.stop()

@@ -242,7 +242,8 @@ def test_replicated_array_is_stored_once(outcomes):
 
 def test_errors_name_the_key_and_the_fix(outcomes):
     got = _result(outcomes, "errors")
-    assert got["no_sharding"].startswith("StateDictError") and "'w'" in got["no_sharding"] and "sharding=" in got["no_sharding"]
+    assert (got["no_sharding"].startswith("StateDictError") and "'w'" in got["no_sharding"]
+            and "sharding=" in got["no_sharding"])
     assert got["save_abstract"].startswith("StateDictError") and "'w'" in got["save_abstract"]
     assert got["missing"].startswith("MismatchError") and "'v'" in got["missing"] and "strict=False" in got["missing"]
     assert got["shape"].startswith("MismatchError") and "'w'" in got["shape"]

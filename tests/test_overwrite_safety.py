@@ -215,8 +215,8 @@ _EMFILE_SCRIPT = textwrap.dedent("""
         os.makedirs(leftover, exist_ok=True)
         open(os.path.join(leftover, "r00000-00.safetensors"), "w").close()
         before = sorted(os.listdir(root))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 40,
-        resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        resource.setrlimit(resource.RLIMIT_NOFILE,
+                           (len(os.listdir("/proc/self/fd")) + 40, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
         held = []
         try:
             while True:

@@ -119,7 +119,8 @@ def test_one_info_line_per_save_and_load(tmp_path, caplog):
     assert len(lines) == 2, lines
     on_disk = sum(os.path.getsize(os.path.join(path, f)) for f in saved.files_written)
     assert lines[0].startswith(f"saved {path}: rank 0/1 wrote {on_disk / 1000:.2f} kB in ") and "GB/s" in lines[0]
-    assert lines[1].startswith(f"loaded {path}: read 4.00 kB in ") and "for 4.00 kB of state (read amplification 1.00x)" in lines[1]
+    assert (lines[1].startswith(f"loaded {path}: read 4.00 kB in ")
+            and "for 4.00 kB of state (read amplification 1.00x)" in lines[1])
 
 
 def test_nothing_is_logged_by_default(tmp_path):

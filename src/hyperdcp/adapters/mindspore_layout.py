@@ -91,7 +91,9 @@ def parse_layout(fqn: str, layout: Any) -> MsLayout:
         try:
             dev, tmap = layout["device_matrix"], layout["tensor_map"]
         except KeyError as e:
-            raise StateDictError(f"{fqn!r}: a layout dict needs 'device_matrix' and 'tensor_map' (missing {e})") from None
+            raise StateDictError(
+                f"{fqn!r}: a layout dict needs 'device_matrix' and 'tensor_map' (missing {e})"
+            ) from None
         ranks = layout.get("rank_list")
     elif isinstance(layout, (tuple, list)) and len(layout) >= 2:
         dev, tmap, ranks = layout[0], layout[1], None

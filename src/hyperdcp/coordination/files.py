@@ -42,7 +42,9 @@ class FileCoordinator(Coordinator):
         try:
             aborts = [e for e in os.listdir(self.dir) if e.startswith("abort-")]
         except FileNotFoundError:
-            raise CoordinationError(f"the exchange directory {self.dir!r} disappeared; was it removed by hand?") from None
+            raise CoordinationError(
+                f"the exchange directory {self.dir!r} disappeared; was it removed by hand?"
+            ) from None
         if aborts:
             r = aborts[0].split("-", 1)[1]
             try:

@@ -303,8 +303,8 @@ class TorchCoordinator(Coordinator):
     def broadcast(self, data: bytes | None, src: int = 0) -> bytes:
         cap = _BCAST_INLINE
         me = self.rank == src
-        frame = _t(len(data).to_bytes(8, "little") + data[: cap - 8], cap) if me else torch.empty(cap,
-            dtype=torch.uint8)
+        frame = (_t(len(data).to_bytes(8, "little") + data[: cap - 8], cap) if me
+                 else torch.empty(cap, dtype=torch.uint8))
         self._call(dist.broadcast, frame, src=self._global[src], group=self.group)
         raw = frame.numpy()
         n = int.from_bytes(raw[:8].tobytes(), "little")

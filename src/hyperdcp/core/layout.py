@@ -75,8 +75,8 @@ class GridLayout:
             return self._strided_boxes(tuple(int(s) for s in shape))
         grid = np.asarray(self.mesh, dtype=np.int64)
         n = grid.size
-        coords = np.stack(np.unravel_index(np.arange(n), grid.shape), axis=1) if grid.ndim else np.zeros((1, 0),
-            np.int64)
+        coords = (np.stack(np.unravel_index(np.arange(n), grid.shape), axis=1) if grid.ndim
+                  else np.zeros((1, 0), np.int64))
         offs = np.zeros((n, len(shape)), dtype=np.int64)
         lens = np.tile(np.asarray(shape, dtype=np.int64), (n, 1)) if shape else np.zeros((n, 0), np.int64)
         for i, d in enumerate(self.placements):
@@ -185,8 +185,9 @@ def _select(runs: list[tuple[int, int]], picks: list[tuple[int, int]]) -> list[t
     return out
 
 
-def local_boxes(shape: Sequence[int],
-    runs_per_dim: Sequence[list[tuple[int, int]]]) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+def local_boxes(
+    shape: Sequence[int], runs_per_dim: Sequence[list[tuple[int, int]]]
+) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
     """(global offsets, lengths, local offsets) of each box of one rank, from its runs along every dim.
 
     Boxes are the products of the runs, in C order over the dims (the order :meth:`GridLayout.boxes`

@@ -144,8 +144,8 @@ def from_tables(names: Sequence[str], dtypes_: Sequence[str], shapes: Sequence[t
             offs[pos:pos + n, :nd] = c.offsets
             lens[pos:pos + n, :nd] = c.lengths
         pos += n
-    cat = (lambda k: np.concatenate([np.asarray(getattr(c, k), np.int64) for c in tables]) if N else np.zeros(0,
-        np.int64))
+    cat = (lambda k: np.concatenate([np.asarray(getattr(c, k), np.int64) for c in tables]) if N
+           else np.zeros(0, np.int64))
     sums = [c.checksums for c in tables]
     flat = np.concatenate([s.as_uint64() if isinstance(s, HexChecksums) else hex_to_uint64(s) for s in sums]) \
         if T else np.zeros(0, np.uint64)

@@ -52,8 +52,8 @@ def _check_whole(path: str, docs: dict[int, dict], W: int) -> None:
             first = seen.setdefault(fqn, (d, r))
             if first[0] != d:
                 raise MismatchError(
-                    f"checkpoint {path!r} (no-collectives mode): ranks {first[1]} and {r} saved tensor {fqn!r} whole "
-                    "with "
+                    f"checkpoint {path!r} (no-collectives mode): ranks {first[1]} and {r} saved tensor {fqn!r} "
+                    "whole with "
                     "different contents, but this mode writes one copy of a tensor every rank holds whole (it cannot "
                     "compare them without communication), so it cannot restore each rank's own. Save per-rank tensors "
                     "with coordination='gloo' or 'file' (they are then stored per rank), or under per-rank keys"

@@ -102,8 +102,8 @@ def read_header(pread: Callable[[int, int], bytes], file_size: int, where: str,
             if file_metadata is not None:
                 file_metadata.update(v)
             continue
-        if not isinstance(v, dict) or not isinstance(v.get("shape"), list) or not isinstance(v.get("data_offsets"),
-            list):
+        if (not isinstance(v, dict) or not isinstance(v.get("shape"), list)
+                or not isinstance(v.get("data_offsets"), list)):
             raise FormatError(f"{where}: entry {k!r} lacks dtype/shape/data_offsets")
         shape, offs = v["shape"], v["data_offsets"]
         if any(type(s) is not int or s < 0 for s in shape) or len(shape) > 64:

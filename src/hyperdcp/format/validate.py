@@ -146,8 +146,8 @@ def _parse_per_rank(doc: Any, tensors: dict[str, TensorMeta], vals: dict[str, An
     """Validate the optional ``per_rank`` member: its values and the saving ranks of its tensors."""
     if doc is None:
         return {}, {}
-    if not isinstance(doc, dict) or not isinstance(doc.get("values", {}),
-                                                   dict) or not isinstance(doc.get("tensors", {}), dict):
+    if (not isinstance(doc, dict) or not isinstance(doc.get("values", {}), dict)
+            or not isinstance(doc.get("tensors", {}), dict)):
         raise bad("per_rank must be an object with 'values' and 'tensors' objects")
 
     def ranks_ok(rs: Any) -> bool:
@@ -330,8 +330,8 @@ def _parse_tensor(name: str, t: Any, nfiles: int, block: int, bad) -> TensorMeta
     if code not in dtypes.ITEMSIZE:
         raise bad(f"tensor {name!r} has unknown dtype {code!r}")
     shape_doc = t.get("shape")
-    if not isinstance(shape_doc,
-                      list) or len(shape_doc) > MAX_DIMS or any(type(s) is not int or s < 0 for s in shape_doc):
+    if (not isinstance(shape_doc, list) or len(shape_doc) > MAX_DIMS
+            or any(type(s) is not int or s < 0 for s in shape_doc)):
         raise bad(f"tensor {name!r} has an invalid shape {shape_doc!r}")
     shape = tuple(shape_doc)
     numel = 1

@@ -89,8 +89,8 @@ def load(state_dict: Any, path: str, coord: Coordinator, opts: LoadOptions) -> L
             if unreadable:  # torch DCP entries hyperdcp does not decode (pickled objects, ...)
                 k = unreadable[0]
                 raise FormatError(f"{k!r} in {path!r} is {source.unreadable[k]}; drop it from the state dict (or pass "
-                                  "strict=False to leave it "
-                                  f"untouched){f' ({len(unreadable) - 1} more)' if len(unreadable) > 1 else ''}")
+                                  "strict=False to leave it untouched)"
+                                  f"{f' ({len(unreadable) - 1} more)' if len(unreadable) > 1 else ''}")
             if targets.missing and opts.strict:
                 raise MismatchError(
                     f"{len(targets.missing)} key(s) of the state dict are not in checkpoint {path!r}: "

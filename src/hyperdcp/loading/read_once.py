@@ -72,7 +72,9 @@ def _head(raw: bytes) -> dict[str, Any]:
     try:
         head, _ = wire.unpack(raw)
     except (ValueError, KeyError, TypeError):
-        raise MismatchError("read-once: a rank sent a malformed plan; do all ranks run the same hyperdcp version?") from None
+        raise MismatchError(
+            "read-once: a rank sent a malformed plan; do all ranks run the same hyperdcp version?"
+        ) from None
     return head if isinstance(head, dict) else {}
 
 
@@ -195,8 +197,8 @@ class _Exchange:
 
         if self.opts.read_threads > 1 and len(mine) > 1:
             with ThreadPoolExecutor(min(self.opts.read_threads, len(mine))) as ex:
-                list(ex.map(one,
-                    sorted(mine, key=lambda u: (self.meta.tensors[self.names[u.tidx]].chunks.file[u.chunk], u.uid))))
+                list(ex.map(one, sorted(
+                    mine, key=lambda u: (self.meta.tensors[self.names[u.tidx]].chunks.file[u.chunk], u.uid))))
         else:
             for u in mine:
                 one(u)
@@ -236,7 +238,9 @@ class _Exchange:
             try:
                 self.own_map = mmap.mmap(self.seg.fd, size)
             except (OSError, ValueError) as e:
-                raise CheckpointError(f"read-once: rank {me} cannot map its shared memory {self.seg.path} ({e})") from None
+                raise CheckpointError(
+                    f"read-once: rank {me} cannot map its shared memory {self.seg.path} ({e})"
+                ) from None
         peers = sorted({u.reader for b in self.sched.batches for u in b for n in u.needs
                         if n.rank == me and shm.via(u, me)})
         for r in peers:
@@ -269,8 +273,8 @@ class _Exchange:
             for n in u.needs:
                 # this rank's own pieces of the units it read into its slot, too: the reading thread
                 # goes on with the next batch meanwhile (batch k's slot is reused only after exchange k+1)
-                if n.rank == self.me and (self.shm.via(u,
-                                                       self.me) or (u.reader == self.me and u.uid in self.shm.offset)):
+                if n.rank == self.me and (self.shm.via(u, self.me)
+                                          or (u.reader == self.me and u.uid in self.shm.offset)):
                     p = self._piece(u, n)
                     if p.dst is not None:
                         copy_piece(self._slot(u.reader, k, u), self._chunk_read(u, []), self.meta, p)

@@ -218,8 +218,8 @@ def derive_plans(meta: Metadata, tensors: Sequence[ShardedTensor], world: int,
             if len(rows) and nd == 0:  # scalars: one empty-coordinate box
                 inv, boxes = np.zeros(len(rows), np.int64), [Box((), ())]
             elif len(rows):  # distinct boxes (replicas share one) through a 1-D view of the rows
-                _, first, inv = np.unique(rows.view(np.dtype((np.void,
-                                                              rows.dtype.itemsize * rows.shape[1]))).reshape(-1),
+                _, first, inv = np.unique(
+                    rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).reshape(-1),
                                           return_index=True, return_inverse=True)
                 boxes = [Box(tuple(r[:nd]), tuple(r[nd:])) for r in rows[first].tolist()]
             else:

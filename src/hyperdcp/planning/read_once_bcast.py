@@ -48,8 +48,9 @@ class MeshLines:
         return False
 
 
-def broadcast_groups(tensors: Sequence[ShardedTensor], me: int, world: int, whole: Any) -> tuple[MeshLines,
-    dict[frozenset[int], Any]]:
+def broadcast_groups(
+    tensors: Sequence[ShardedTensor], me: int, world: int, whole: Any
+) -> tuple[MeshLines, dict[frozenset[int], Any]]:
     """(every mesh-dim group's member set, known identically on every rank; this rank's handle for each
     set it belongs to). Groups come with the layouts (a DeviceMesh's own groups), plus ``whole`` for all
     ranks: none is created here. Tensors are walked in order, so members pick the same handle."""

@@ -72,8 +72,8 @@ def plans_to_wants(meta: Metadata, raws: Sequence[bytes], ranks: Sequence[int]) 
         coords = Bflat[start[sel, None] + np.arange(2 * nd)] if nd else np.zeros((len(sel), 0), np.int64)
         off, ln = coords[:, :nd], coords[:, nd:]
         c = C[sel]
-        c_off, c_end = np.asarray(ch.offsets)[c].reshape(len(sel),
-            nd), (np.asarray(ch.offsets) + np.asarray(ch.lengths))[c].reshape(len(sel), nd)
+        c_off, c_end = (np.asarray(ch.offsets)[c].reshape(len(sel), nd),
+                        (np.asarray(ch.offsets) + np.asarray(ch.lengths))[c].reshape(len(sel), nd))
         bad = (ln <= 0).any(axis=1) | (off < c_off).any(axis=1) | (off + ln > c_end).any(axis=1)
         if bad.any():
             i = int(np.nonzero(bad)[0][0])

@@ -130,8 +130,8 @@ class GridIndex:
         per_dim = []
         for d, dr in enumerate(self.dims):
             lo, hi = chunk.offsets[d], chunk.offsets[d] + chunk.lengths[d]
-            per_dim.append([(int(dr.sub[p]), max(lo, int(dr.start[p])), min(hi, int(dr.end[p]))) for p in dr.hits(lo,
-                hi)])
+            per_dim.append([(int(dr.sub[p]), max(lo, int(dr.start[p])), min(hi, int(dr.end[p])))
+                            for p in dr.hits(lo, hi)])
         out = []
         for combo in itertools.product(*per_dim):
             ranks = np.sort(self.lines[tuple(s for s, _, _ in combo)].reshape(-1))

@@ -58,14 +58,14 @@ class LocalPlan:
         self.value_keys = list(value_keys)
         tidx = np.asarray(tidx, dtype=np.int64)
         n = len(tidx)
-        offsets = np.asarray(offsets, dtype=np.int64).reshape(n,
-            -1) if n else np.zeros((0, np.shape(offsets)[-1] if np.ndim(offsets) == 2 else 0), np.int64)
+        offsets = (np.asarray(offsets, dtype=np.int64).reshape(n, -1) if n
+                   else np.zeros((0, np.shape(offsets)[-1] if np.ndim(offsets) == 2 else 0), np.int64))
         lengths = np.asarray(lengths, dtype=np.int64).reshape(offsets.shape)
         #: one (n, 1 + 2D) block [tidx | offsets | lengths], so that rank 0 concatenates one array per rank
         rows = np.concatenate([tidx[:, None], offsets, lengths], axis=1)
         # int32 when every value and every box end fits: half the bytes to send and to concatenate
-        small = not n or (rows.min() >= 0 and int((offsets + lengths).max(initial=0)) < 2**31 - 1 and int(rows.max())
-                          < 2**31 - 1)
+        small = not n or (rows.min() >= 0 and int((offsets + lengths).max(initial=0)) < 2**31 - 1
+                          and int(rows.max()) < 2**31 - 1)
         self.rows = rows.astype(np.int32) if small else rows
         self._set_views()
         self._bytes: bytes | None = None
@@ -78,8 +78,9 @@ class LocalPlan:
         self.lengths = self.rows[:, 1 + D :]
 
     @classmethod
-    def build(cls, items: Sequence[ShardedTensor], value_keys: Sequence[str]) -> tuple["LocalPlan",
-        list[tuple[ShardedTensor, LocalShard]]]:
+    def build(
+        cls, items: Sequence[ShardedTensor], value_keys: Sequence[str]
+    ) -> tuple["LocalPlan", list[tuple[ShardedTensor, LocalShard]]]:
         """The plan for ``items`` (sorted by name) and the local chunks in plan order."""
         items = sorted(items, key=lambda it: it.fqn)
         D = max((len(it.shape) for it in items), default=0)
@@ -331,8 +332,8 @@ def plan_global(plans: Sequence[LocalPlan], per_rank: dict[str, np.ndarray] | No
     n = int(counts.sum())
     if any(p.rows.shape[1] > 1 + 2 * D for p in plans if len(p.rows)):
         raise MismatchError("ranks disagree on tensor ranks (box dimensions)")
-    rows = (np.concatenate([_pad(p.rows, D) for p in plans if len(p.rows)]) if n else np.zeros((0, 1 + 2 * D),
-        np.int64))
+    rows = (np.concatenate([_pad(p.rows, D) for p in plans if len(p.rows)]) if n
+            else np.zeros((0, 1 + 2 * D), np.int64))
     tidx, offs, lens = rows[:, 0], rows[:, 1 : 1 + D], rows[:, 1 + D :]
     if maps is not None and n:
         tidx = np.concatenate([m[p.tidx] for m, p in zip(maps, plans) if len(p.rows)])
@@ -367,8 +368,8 @@ def plan_global(plans: Sequence[LocalPlan], per_rank: dict[str, np.ndarray] | No
         hi -= 1
         last += hi * st
     if bad:
-        spec_shape = np.array([list(sp.shape) + [1] * (D - len(sp.shape)) for sp in specs], dtype=np.int64).reshape(T,
-            D)
+        spec_shape = np.array([list(sp.shape) + [1] * (D - len(sp.shape)) for sp in specs],
+                              dtype=np.int64).reshape(T, D)
         out = ((offs < 0) | (lens <= 0) | (offs + lens > spec_shape[tidx])).any(axis=1)
         i = int(np.argmax(out))
         sp = specs[tidx[i]]

@@ -50,8 +50,8 @@ def persist_alone(path: str, rank: int, world_size: int, staged: StagedState, mi
         )
     if existing:
         for e in present:
-            if e == mine_file or e.startswith(f"r{rank:05d}-") or (rank == 0
-                                                                   and (e == METADATA_FILE or is_index_file(e))):
+            if (e == mine_file or e.startswith(f"r{rank:05d}-")
+                    or (rank == 0 and (e == METADATA_FILE or is_index_file(e)))):
                 files.remove(e)
     result = write.write_assigned(files, rank, staged, mine, opts, save_token(save_id))
     head, arr = wire.unpack(result)

@@ -154,7 +154,9 @@ def _open_regular(path: str) -> tuple[int, int]:
     try:
         return open_regular(path, "safetensors file", missing=FileNotFoundError)
     except FileNotFoundError:
-        raise CheckpointNotFoundError(f"safetensors file {path} does not exist; the HF checkpoint is incomplete") from None
+        raise CheckpointNotFoundError(
+            f"safetensors file {path} does not exist; the HF checkpoint is incomplete"
+        ) from None
     except FormatError as e:
         if "symbolic link" in str(e):
             raise FormatError(

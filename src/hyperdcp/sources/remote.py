@@ -48,7 +48,9 @@ def read_remote_metadata_bytes(url: str, storage: Storage | None = None) -> byte
                 "hyperdcp.finalize, and HuggingFace directories loaded from a local path); load an "
                 "earlier checkpoint"
             ) from None
-        raise CheckpointNotFoundError(f"no checkpoint at {url!r}: {meta_url} does not exist; check the URL and step") from None
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {url!r}: {meta_url} does not exist; check the URL and step"
+        ) from None
 
 
 def load_remote_metadata(url: str) -> Metadata:

@@ -173,8 +173,8 @@ def _from_pickle(root: str, md: tp.Metadata) -> tuple[Metadata, dict[str, str], 
         for i, ch in enumerate(chunks):
             offs, sizes = ch.get("offsets") if isinstance(ch, tp.ChunkStorageMetadata) else None, ch.get("sizes")
             if (not isinstance(offs, tuple) or not isinstance(sizes, tuple) or len(offs) != len(size)
-                    or len(sizes) != len(size) or any(o < 0 or n < 0 or o + n > s for o, n,
-                                                      s in zip(offs, sizes, size))):
+                    or len(sizes) != len(size)
+                    or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offs, sizes, size))):
                 raise FormatError(f"{where}: tensor {fqn!r} chunk {i} (offsets {offs}, sizes {sizes}) does not fit "
                                   f"its shape {tuple(size)}")
             info = by_index.get((fqn, offs))

@@ -93,7 +93,8 @@ def _old_copies(parent: str, name: str) -> list[str]:
 
 
 def _complete_copy(path: str) -> float | None:
-    """The commit time of the complete checkpoint at ``path`` (every listed data file present with its size), else None."""
+    """The commit time of the complete checkpoint at ``path`` (every listed data file present with its size),
+    else None."""
     try:
         meta = _committed_metadata(path)
         for f in meta.files:
@@ -353,7 +354,9 @@ class SaveTarget:
             self._swap_in()
             fsync_dir(self.parent)
         except OSError as e:
-            raise StorageError(f"committing {self.path!r} failed: {e.strerror or e}; the previous checkpoint is intact") from e
+            raise StorageError(
+                f"committing {self.path!r} failed: {e.strerror or e}; the previous checkpoint is intact"
+            ) from e
         self.tmp = None
 
     def _swap_in(self) -> None:

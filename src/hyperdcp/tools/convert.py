@@ -347,8 +347,8 @@ def dcp_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, max_shard_size:
     out_code = {n: (cast if cast and t.dtype in FLOAT_CODES else t.dtype) for n, t in meta.tensors.items()}
     if "__metadata__" in meta.tensors:
         raise FormatError(f"{src!r}: a tensor is named '__metadata__', which safetensors reserves; rename it first")
-    out_bytes = {n: t.nbytes // dtypes.itemsize(t.dtype) * dtypes.itemsize(out_code[n]) for n,
-                 t in meta.tensors.items()}
+    out_bytes = {n: t.nbytes // dtypes.itemsize(t.dtype) * dtypes.itemsize(out_code[n])
+                 for n, t in meta.tensors.items()}
     shards = plan_shards(out_bytes, limit)
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -436,8 +436,8 @@ def _prepare_hf_dir(dst: str, overwrite: bool) -> None:
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise StorageError(f"cannot write to {dst!r}: it is an existing file; choose a directory path")
     os.makedirs(dst, exist_ok=True)
-    existing = [n for n in os.listdir(dst) if n.endswith(".safetensors") or n.endswith(INDEX_SUFFIX) or n
-                == METADATA_FILE]
+    existing = [n for n in os.listdir(dst)
+                if n.endswith(".safetensors") or n.endswith(INDEX_SUFFIX) or n == METADATA_FILE]
     if existing and not overwrite:
         raise CheckpointExistsError(
             f"{dst!r} already holds {existing[:3]}; pass --overwrite (overwrite=True) to replace them or choose an "
