@@ -194,8 +194,8 @@ def _rank(rank, world, args, root):
     libs = ["hyperdcp"] + ([] if args.no_torch else ["torch"])
     results = {}
     # the libraries take turns going first, so neither always follows the save or the other case
-    order = [(case,
-              lib) for rep in range(args.repeat) for case in cases for lib in (libs if rep % 2 == 0 else libs[::-1])]
+    order = [(case, lib) for rep in range(args.repeat) for case in cases
+             for lib in (libs if rep % 2 == 0 else libs[::-1])]
     for case, lib in order:
         mesh, placements = cases[case]
         state = _state(mesh, placements, shapes, fill=False)
@@ -238,8 +238,8 @@ def floors(ckpt: str, dest_bytes: list[int], threads_per_rank: int = 4, piece: i
     import numpy as np
 
     files = [os.path.join(ckpt, n) for n in sorted(os.listdir(ckpt)) if n.endswith(".safetensors")]
-    jobs = [(f, off, min(piece, os.path.getsize(f) - off)) for f in files for off in range(0, os.path.getsize(f),
-        piece)]
+    jobs = [(f, off, min(piece, os.path.getsize(f) - off))
+            for f in files for off in range(0, os.path.getsize(f), piece)]
     drop_caches([ckpt])
     nthreads = max(1, len(dest_bytes)) * threads_per_rank
     bufs = [np.empty(piece, dtype=np.uint8) for _ in range(nthreads)]

@@ -109,8 +109,8 @@ http {{
         open(self.log, "w").close()
         version = subprocess.run([NGINX, "-v"], capture_output=True, text=True).stderr.strip()
         self.name = f"{version.replace('nginx version: ', '')} ({workers} workers, sendfile)"
-        self.proc = subprocess.Popen([NGINX, "-p", self.dir, "-e", os.path.join(self.dir, "error.log"), "-c",
-                                      self.conf],
+        self.proc = subprocess.Popen([NGINX, "-p", self.dir, "-e", os.path.join(self.dir, "error.log"),
+                                      "-c", self.conf],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             _wait_listening(self.port, self.proc)

@@ -57,8 +57,8 @@ def _rank(rank, world, args, root):
     dist.barrier()
     cases = {"a_same_layout": (hsdp, [Replicate(), Shard(0)]), "b_1d_shard1": (flat, [Shard(1)])}
     libs = ["hyperdcp", "torch", "converted"] + (["converted-noverify"] if args.noverify_row else [])
-    order = [(case,
-              lib) for rep in range(args.repeat) for case in cases for lib in (libs if rep % 2 == 0 else libs[::-1])]
+    order = [(case, lib) for rep in range(args.repeat) for case in cases
+             for lib in (libs if rep % 2 == 0 else libs[::-1])]
     results: dict = {}
     for case, lib in order:
         mesh, placements = cases[case]

@@ -47,7 +47,7 @@ def setup(R: int, S: int, T: int, per: int, cols: int):
         begin = np.full(S, 64 + t * nb, np.int64)
         tensors[f"layer{t}.weight"] = TensorMeta(
             "F32", (rows, cols),
-                ChunkTable(offs, lens, np.arange(S, dtype=np.int64), begin, begin + nb, ["0" * 16] * S))
+            ChunkTable(offs, lens, np.arange(S, dtype=np.int64), begin, begin + nb, ["0" * 16] * S))
     meta = Metadata(W, [FileMeta(f"f{i}.safetensors", 64 + T * nb) for i in range(S)], tensors, {})
     mesh = np.arange(W).reshape(R, S)
     key = GridLayout.digest_mesh(mesh)

@@ -79,8 +79,8 @@ def run_ranks(world: int, fn, *args, timeout: float = 120, env: dict | None = No
                 rank, ok, out = q.get(timeout=min(left, 1.0))
             except _queue.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs) and q.empty():
-                    dead = [r for r,
-                        p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results and r not in errors]
+                    dead = [r for r, p in enumerate(procs)
+                            if p.exitcode not in (None, 0) and r not in results and r not in errors]
                     if dead:
                         time.sleep(0.5)
                         if q.empty():

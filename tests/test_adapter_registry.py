@@ -67,8 +67,8 @@ def test_an_adapter_whose_framework_is_not_imported_is_never_asked(fakefw, monke
     assert adapters.is_tensor_like(t)
     monkeypatch.delitem(sys.modules, "fakefw")
     assert not adapters.is_tensor_like(t)
-    assert [a.module for a in adapters.loaded()] == [m for m in ("numpy", "torch", "jax",
-                                                                 "mindspore") if m in sys.modules]
+    assert [a.module for a in adapters.loaded()] == [m for m in ("numpy", "torch", "jax", "mindspore")
+                                                     if m in sys.modules]
 
 
 def test_registering_something_that_is_not_an_adapter_is_refused():

@@ -167,8 +167,8 @@ def test_single_process_numpy_and_values(tmp_path):
     fut.result(timeout=60)
     back = {"a": np.zeros((2, 3), np.float32), "t": torch.zeros(3, dtype=torch.bfloat16), "x": None}
     hyperdcp.load(back, tmp_path / "c")
-    assert back["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and back["t"].float().tolist() == [1, 1,
-        1] and back["x"] == {"lr": 0.1}
+    assert (back["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and back["t"].float().tolist() == [1, 1, 1]
+            and back["x"] == {"lr": 0.1})
     with pytest.raises(hyperdcp.CheckpointExistsError):
         hyperdcp.async_save(state, tmp_path / "c").result(timeout=60)
 
@@ -211,10 +211,10 @@ def test_warm_staging_detects_changes(tmp_path):
     assert fut.first_call  # a different structure: new staging area
     like = {"m": {k: torch.zeros_like(v) for k, v in state["m"].items()}, "step": 0}
     hyperdcp.load(like, tmp_path / "d")
-    assert like["step"] == 7 and like["m"]["p1"].shape == (4, 2) and torch.equal(like["m"]["p1"],
-        torch.full((4, 2), 3.0))
-    assert like["m"]["p2"].dtype == torch.float64 and torch.equal(like["m"]["p2"],
-                                                                  torch.full((3, 3), 5, dtype=torch.float64))
+    assert (like["step"] == 7 and like["m"]["p1"].shape == (4, 2)
+            and torch.equal(like["m"]["p1"], torch.full((4, 2), 3.0)))
+    assert (like["m"]["p2"].dtype == torch.float64
+            and torch.equal(like["m"]["p2"], torch.full((3, 3), 5, dtype=torch.float64)))
     assert meta is not None
     hyperdcp.async_save(state, tmp_path / "e").result(timeout=60)
     state["m"]["extra"] = torch.ones(2)
@@ -242,8 +242,8 @@ def test_staging_files_of_dead_processes_are_removed(tmp_path):
 
     from hyperdcp.async_saving.staging import remove_stale_areas
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
     stale = tmp_path / f"hyperdcp-stage-{dead}-0123456789ab"
     alive = tmp_path / f"hyperdcp-stage-{os.getppid()}-0123456789ab"
     other = tmp_path / "unrelated-file"

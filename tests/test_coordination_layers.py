@@ -47,7 +47,7 @@ def test_pure_read_once_planning_does_no_io_and_no_collectives():
     mods = _imports("planning/read_once.py")
     bad = sorted(m for m in mods if m.startswith(("hyperdcp.coordination", "hyperdcp.loading",
                                                   "hyperdcp.storage.reader",
-                                                 "hyperdcp.exchange")) or m in ("os", "mmap", "socket"))
+                                                  "hyperdcp.exchange")) or m in ("os", "mmap", "socket"))
     assert not bad, bad
 
 
@@ -56,8 +56,8 @@ def test_the_bottom_of_loading_imports_nothing_above_it():
     for rel in ("loading/reads.py", "loading/targets.py"):
         up = sorted(m for m in _imports(rel) if m.startswith(("hyperdcp.loading", "hyperdcp.exchange", "hyperdcp.hf")))
         assert not up, (rel, up)
-    assert not any(m.startswith(("hyperdcp.loading.flow",
-                                 "hyperdcp.exchange")) for m in _imports("loading/read_once.py"))
+    assert not any(m.startswith(("hyperdcp.loading.flow", "hyperdcp.exchange"))
+                   for m in _imports("loading/read_once.py"))
 
 
 def test_old_import_paths_resolve_to_the_moved_code():

@@ -65,8 +65,8 @@ def _jax_sharding(shape, mesh):
     from jax.sharding import NamedSharding, PartitionSpec
 
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
-    spec = [ax if d < len(shape) and shape[d] % sizes[ax] == 0 else None for d,
-            ax in enumerate(("x", "y")[:len(shape)])]
+    spec = [ax if d < len(shape) and shape[d] % sizes[ax] == 0 else None
+            for d, ax in enumerate(("x", "y")[:len(shape)])]
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 

@@ -61,8 +61,8 @@ def _jax_load(pid, n, path, seed):
     mesh = jax.make_mesh((4, 2), ("a", "b"))
     vals = values(seed)
     target = {"model": {k: jax.ShapeDtypeStruct(SHAPES[k], np.float32,
-                                                sharding=NamedSharding(mesh,
-                                                    PartitionSpec(*("b", "a")[:len(SHAPES[k])])))
+                                                sharding=NamedSharding(
+                                                    mesh, PartitionSpec(*("b", "a")[:len(SHAPES[k])])))
                         for k in ("0.weight", "0.bias")},
               "bf": jax.ShapeDtypeStruct(SHAPES["bf"], vals["bf"].dtype,
                                          sharding=NamedSharding(mesh, PartitionSpec("a")))}

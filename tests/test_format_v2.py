@@ -57,8 +57,8 @@ def _record(path: str) -> dict:
 
 def _chunk_tables(meta: Metadata) -> dict:
     return {k: (t.dtype, t.shape, t.chunks.offsets.tolist(), t.chunks.lengths.tolist(), t.chunks.file.tolist(),
-                t.chunks.begin.tolist(), t.chunks.end.tolist(), list(t.chunks.checksums)) for k,
-            t in meta.tensors.items()}
+                t.chunks.begin.tolist(), t.chunks.end.tolist(), list(t.chunks.checksums))
+            for k, t in meta.tensors.items()}
 
 
 def test_a_large_model_is_saved_as_format_2_and_loads_back_exactly(tmp_path, monkeypatch):
@@ -111,8 +111,8 @@ def test_a_small_model_stays_format_1_and_both_read_alike(tmp_path, monkeypatch)
     rep = hyperdcp.verify_checkpoint(str(tmp_path / "v2"))
     assert not rep.ok and [b.tensor for b in rep.bad_chunks] == ["emb"]
     hyperdcp.save(_model(5), str(tmp_path / "v2"), overwrite=True)  # a format-2 checkpoint is ours to replace
-    assert [n for n in os.listdir(tmp_path / "v2")
-            if is_index_file(n)] == [_record(str(tmp_path / "v2"))["index"]["name"]]
+    assert ([n for n in os.listdir(tmp_path / "v2") if is_index_file(n)]
+            == [_record(str(tmp_path / "v2"))["index"]["name"]])
     back = _zeros(_model(5))
     hyperdcp.load(back, str(tmp_path / "v2"))
     _same(back, _model(5))

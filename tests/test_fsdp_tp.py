@@ -73,8 +73,8 @@ def full_state(model, opt) -> dict:
     for k, st in osd["state"].items():
         for name, v in st.items():
             out[f"optim.{k}.{name}"] = v
-    return {k: (str(v.dtype), tuple(v.shape), v.contiguous().view(-1).view(torch.uint8).tolist()) for k,
-            v in out.items()}
+    return {k: (str(v.dtype), tuple(v.shape), v.contiguous().view(-1).view(torch.uint8).tolist())
+            for k, v in out.items()}
 
 
 def _placements(msd, osd) -> set[str]:

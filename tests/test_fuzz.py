@@ -185,8 +185,8 @@ def test_no_code_in_a_checkpoint_runs_on_load(tmp_path, monkeypatch):
                 assert node.func.id not in ("eval", "exec", "compile", "__import__"), f"{f}:{node.lineno}"
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load":
                 base = node.func.value
-                assert not (isinstance(base, ast.Name) and base.id in ("torch", "pickle", "np",
-                    "numpy")), f"{f}:{node.lineno}"
+                assert not (isinstance(base, ast.Name)
+                            and base.id in ("torch", "pickle", "np", "numpy")), f"{f}:{node.lineno}"
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "loads":
                 base = node.func.value
                 assert not (isinstance(base, ast.Name) and base.id == "pickle"), f"{f}:{node.lineno}"

@@ -169,8 +169,8 @@ def errors(tmp):
         except CheckpointError as e:
             out[name] = f"{type(e).__name__}: {e}"
     missing = hyperdcp.load({"v": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=_ns(mesh))}, path, strict=False)
-    out["not_strict_keeps_target"] = isinstance(missing.state["v"],
-                                                jax.ShapeDtypeStruct) and missing.missing_keys == ["v"]
+    out["not_strict_keeps_target"] = (isinstance(missing.state["v"], jax.ShapeDtypeStruct)
+                                      and missing.missing_keys == ["v"])
     return out
 
 

@@ -111,8 +111,8 @@ def test_exchanged_plans_give_the_same_part_as_the_layouts():
         assert {k[1] for k in wants.chunks} == {r % 4}  # its shard's chunk of every tensor, nothing more
         from_plans = local_schedule(meta, wants, True, 256 << 20, r)
         assert my_part(from_plans, r) == my_part(part(meta, sts, 8, r), r)
-        assert my_part(from_plans, r) == my_part(local_schedule(meta, plan_wants(meta, plans, [r]), True, 256 << 20, r),
-                                                 r)
+        assert my_part(from_plans, r) == my_part(
+            local_schedule(meta, plan_wants(meta, plans, [r]), True, 256 << 20, r), r)
 
 
 def test_a_malformed_exchanged_plan_names_its_rank():
@@ -130,8 +130,8 @@ def test_mesh_groups_are_recognised_without_listing_them():
     lines = MeshLines(12)
     lines.add(mesh)
     assert frozenset({1, 5, 9}) in lines and frozenset({4, 5, 6, 7}) in lines and frozenset(range(12)) in lines
-    assert frozenset({1, 5}) not in lines and frozenset({0, 5, 10}) not in lines and frozenset({0, 1, 4,
-        5}) not in lines
+    assert (frozenset({1, 5}) not in lines and frozenset({0, 5, 10}) not in lines
+            and frozenset({0, 1, 4, 5}) not in lines)
 
 
 def test_strided_layouts_give_several_boxes_per_rank():

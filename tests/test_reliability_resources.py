@@ -254,8 +254,8 @@ def test_sparse_and_nested_tensors_are_refused_naming_the_key(tmp_path, what):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        bad = torch.eye(3).to_sparse() if what == "sparse" else torch.nested.nested_tensor([torch.ones(2),
-            torch.ones(3)])
+        bad = (torch.eye(3).to_sparse() if what == "sparse"
+               else torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]))
     for call in (lambda: hyperdcp.save({"m": {"bad": bad}}, tmp_path / "s"),
                  lambda: hyperdcp.async_save({"m": {"bad": bad}}, tmp_path / "a").result(timeout=60)):
         with pytest.raises(hyperdcp.StateDictError, match=rf"'m\.bad'.*{what}"):

@@ -263,8 +263,8 @@ def test_a_files_first_read_and_its_header_check_are_one_request(s3):
     a, b = np.arange(300_000, dtype=np.float32), np.arange(200_000, dtype=np.int64)
     hyperdcp.save({"a": a, "b": b}, url)
     meta = load_remote_metadata(url)
-    spans = [(int(c.file[0]), int(c.begin[0]),
-              int(c.end[0] - c.begin[0])) for c in (meta.tensors[k].chunks for k in "ab")]
+    spans = [(int(c.file[0]), int(c.begin[0]), int(c.end[0] - c.begin[0]))
+             for c in (meta.tensors[k].chunks for k in "ab")]
     files = RemoteFiles(url, meta)
     reads = CoalescedReads(files, spans, 16 << 20)
     got = [np.empty(n, np.uint8) for _, _, n in spans]

@@ -243,8 +243,8 @@ def test_strided_grid_boxes_follow_torch_rule(mesh_shape):
                 continue
             layout = GridLayout(mesh, tuple(REPLICATE if isinstance(p, Replicate) else p.dim for p in placements),
                                 GridLayout.digest_mesh(mesh), (),
-                                tuple(getattr(p, "split_factor", 1) if not isinstance(p,
-                                    Replicate) else 1 for p in placements))
+                                tuple(getattr(p, "split_factor", 1) if not isinstance(p, Replicate) else 1
+                                      for p in placements))
             ranks, offs, lens = layout.boxes(shape)
             for r in range(mesh.size):
                 coord = np.unravel_index(r, mesh_shape)

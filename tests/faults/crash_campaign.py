@@ -378,8 +378,8 @@ def campaign(trials: int, world: int = 3, mode: str = "sync", seed: int = 0, roo
         if tmp is not None:
             tmp.cleanup()
     counts.pop("_pending_retry", None)
-    return {"mode": mode, "signal": sig, "coordination": coordination if mode != "sync" else None, "world": world,
-            "trials": trials,
+    return {"mode": mode, "signal": sig, "coordination": coordination if mode != "sync" else None,
+            "world": world, "trials": trials,
             "seed": seed, "timeout_s": timeout, "void_trials": voids, "warmup_commit_latency_s": warm_latencies,
             "final_window_s": round(window_scale * float(np.median(latencies)), 3),
             "max_survivor_end_s": max_survivor_s, "final_save_ok": final_ok, "leftover_entries_at_end": leftovers,

@@ -59,8 +59,8 @@ def _audit(event, args):
     if os.sep not in name and flags & os.O_NOFOLLOW and _watch["dir_opened"]:
         return  # a plain name opened relative to the checkpoint's directory descriptor (no link followed)
     lexical = os.path.abspath(name)
-    if lexical.endswith((".py", ".pyc",
-                         ".so")) and any(lexical.startswith(os.path.abspath(d) + os.sep) for d in sys.path if d):
+    if (lexical.endswith((".py", ".pyc", ".so"))
+            and any(lexical.startswith(os.path.abspath(d) + os.sep) for d in sys.path if d)):
         return  # lazy imports of modules
     real = os.path.realpath(lexical)
     if lexical == root and flags & getattr(os, "O_DIRECTORY", 0):
@@ -277,8 +277,8 @@ def _damage_rank_file(nc: str, path: str, work: str, rng: random.Random, info: d
         b = bytearray(raw)
         digits = [i for i, x in enumerate(b) if 0x30 <= x <= 0x39]
         at = rng.choice(digits) if digits and rng.random() < 0.7 else rng.randrange(len(b))
-        b[at] = (b[at] - 0x30 + rng.randint(1,
-            9)) % 10 + 0x30 if 0x30 <= b[at] <= 0x39 else b[at] ^ (1 << rng.randrange(8))
+        b[at] = ((b[at] - 0x30 + rng.randint(1, 9)) % 10 + 0x30 if 0x30 <= b[at] <= 0x39
+                 else b[at] ^ (1 << rng.randrange(8)))
         open(fp, "wb").write(bytes(b))
     elif how == "resign":
         doc = json.loads(raw)
@@ -363,8 +363,8 @@ def one_trial(pristine: str, state: dict, work: str, rng: random.Random, kind: s
             hb += b" " * (-len(hb) % 8)
         else:
             hb = mutate_bytes(blob[8 : 8 + n], rng)
-        prefix = struct.pack("<Q", len(hb)) if rng.random() < 0.8 else struct.pack("<Q",
-            rng.choice([0, 7, 2**63, 2**64 - 1, len(hb) + 10**6]))
+        prefix = (struct.pack("<Q", len(hb)) if rng.random() < 0.8
+                  else struct.pack("<Q", rng.choice([0, 7, 2**63, 2**64 - 1, len(hb) + 10**6])))
         open(fp, "wb").write(prefix + hb + blob[8 + n :])
     else:
         victim = rng.choice(data_files + [META])
@@ -419,8 +419,8 @@ def one_trial(pristine: str, state: dict, work: str, rng: random.Random, kind: s
             wrong = [k for k, v in state.items() if isinstance(v, np.ndarray) and k not in res.missing_keys
                      and out[k].tobytes() != v.tobytes()]
             if kind in ("rankfile", "bigmeta"):  # nothing re-signed could legitimately change a plain value there
-                wrong += [k for k,
-                          v in state.items() if info.get("rank_damage") == "edit" and not isinstance(v, np.ndarray)
+                wrong += [k for k, v in state.items()
+                          if info.get("rank_damage") == "edit" and not isinstance(v, np.ndarray)
                           and k not in res.missing_keys and out[k] != v]
             if wrong:
                 info["wrong"] = wrong

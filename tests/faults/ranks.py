@@ -23,7 +23,8 @@ class Ranks:
         os.close(fd)
         os.unlink(self.store)
         self.procs = [ctx.Process(target=_entry,
-            args=(fn, r, world, self.store, self.q, args, {**os.environ, **(env or {})}), daemon=True)
+                                  args=(fn, r, world, self.store, self.q, args, {**os.environ, **(env or {})}),
+                                  daemon=True)
                       for r in range(world)]
         for p in self.procs:
             p.start()

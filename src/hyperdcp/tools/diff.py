@@ -140,8 +140,8 @@ def diff_sources(a: str, b: str, atol: float = 0.0, rtol: float = 0.0, slab_byte
                 if ta.dtype == tb.dtype and np.array_equal(xa, xb):
                     continue
                 identical = False
-                mx, rl, beyond = _stats(xa.view(dtypes.to_numpy(ta.dtype)), xb.view(dtypes.to_numpy(tb.dtype)), atol,
-                                        rtol)
+                mx, rl, beyond = _stats(xa.view(dtypes.to_numpy(ta.dtype)), xb.view(dtypes.to_numpy(tb.dtype)),
+                                        atol, rtol)
                 worst.max_abs, worst.max_rel = max(worst.max_abs, mx), max(worst.max_rel, rl)
                 worst.beyond += beyond
             if not identical:
