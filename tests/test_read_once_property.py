@@ -60,8 +60,8 @@ def cases(draw):
         sizes = rows[:, len(shape):].prod(axis=1) * isz
         begin = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) + 64
         files.append(FileMeta(f"f{t}", int(64 + sizes.sum())))
-        tensors[f"t{t}"] = TensorMeta(dtype, shape,
-                                      ChunkTable(rows[:, : len(shape)].copy(), rows[:, len(shape):].copy(),
+        tensors[f"t{t}"] = TensorMeta(dtype, shape, ChunkTable(rows[:, : len(shape)].copy(),
+                                                               rows[:, len(shape):].copy(),
                                                                np.full(len(rows), t, np.int64), begin,
                                                                begin + sizes, ["0" * 16] * len(rows)))
         dest.append((f"t{t}", dtype, shape, loaded))
