@@ -193,8 +193,9 @@ def main() -> None:
                   f"({r['local_mib']:.0f} MiB local per rank), coordination={a.coordination}")
             print(f"copy floor (max over ranks, median) {fl * 1e3:9.1f} ms (min {r['floor_min_s'] * 1e3:.1f} ms)")
             for name, x in (("hyperdcp.async_save", h), ("torch dcp.async_save", t)):
-                print(f"{name:22s} blocking first {x['first_block_s'] * 1e3:9.1f} ms ({x['first_block_s'] / fl:5.2f}x "
-                      f"floor)  warm {x['warm_block_s'] * 1e3:9.1f} ms ({x['warm_block_s'] / fl:5.2f}x floor)"
+                print(f"{name:22s} blocking first {x['first_block_s'] * 1e3:9.1f} ms "
+                      f"({x['first_block_s'] / fl:5.2f}x floor)"
+                      f"  warm {x['warm_block_s'] * 1e3:9.1f} ms ({x['warm_block_s'] / fl:5.2f}x floor)"
                       f"  commit first {x['first_commit_s']:6.2f} s warm {x['warm_commit_s']:6.2f} s"
                       f"  peak RSS +{x['peak_rss_delta_mib']:7.0f} MiB"
                       + (f" (+ persist procs {x['persist_proc_hwm_mib']:.0f} MiB)" if x["persist_proc_hwm_mib"]

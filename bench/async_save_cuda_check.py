@@ -49,8 +49,9 @@ def main() -> None:
     back = {"model": {k: torch.zeros_like(v, device="cpu") for k, v in params.items()}, "step": 0}
     hyperdcp.load(back, f"{root}/a")
     ok = all(torch.all(v == 20).item() for v in back["model"].values())
-    print(f"ordering+isolation: {'OK' if ok else 'FAILED'} ({res.bytes_written / 2**20:.0f} MiB written, first "
-          f"blocking {fut.blocking_seconds * 1e3:.1f} ms)")
+    print(f"ordering+isolation: {'OK' if ok else 'FAILED'} "
+          f"({res.bytes_written / 2**20:.0f} MiB written, first blocking "
+          f"{fut.blocking_seconds * 1e3:.1f} ms)")
 
     # 3: warm blocking vs a plain D2H copy into pinned memory
     pinned = [torch.empty_like(v, device="cpu").pin_memory() for v in params.values()]

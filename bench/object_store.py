@@ -274,8 +274,9 @@ def main() -> None:
         res = run_ranks(args.ranks, _rank, args, proxy.endpoint, (server.proc.pid, os.getpid()), timeout=args.timeout,
                         env=env)
         unique = args.tensors * args.rows * args.cols * 4
-        print(f"{args.ranks} ranks, HSDP mesh {tuple(args.mesh)}, {args.tensors} x ({args.rows}, {args.cols}) float32 "
-              f"= {unique / 2**20:.0f} MiB unique; moto {server.proc.args[2:]} behind a counting proxy on 127.0.0.1; "
+        print(f"{args.ranks} ranks, HSDP mesh {tuple(args.mesh)}, "
+              f"{args.tensors} x ({args.rows}, {args.cols}) float32 = "
+              f"{unique / 2**20:.0f} MiB unique; moto {server.proc.args[2:]} behind a counting proxy on 127.0.0.1; "
               f"parts / ranged GETs of {args.part_mib} MiB; load average before: {load[0]:.1f}; run "
               f"{time.perf_counter() - t:.0f} s")
         print(f"{'case':<22}{'library':<10}{'wall s':>8}{'MB/s':>8}{'up/unique':>10}{'down/unique':>12}"

@@ -47,7 +47,7 @@ def test_pure_read_once_planning_does_no_io_and_no_collectives():
     mods = _imports("planning/read_once.py")
     bad = sorted(m for m in mods if m.startswith(("hyperdcp.coordination", "hyperdcp.loading",
                                                   "hyperdcp.storage.reader",
-                                                  "hyperdcp.exchange")) or m in ("os", "mmap", "socket"))
+                                                 "hyperdcp.exchange")) or m in ("os", "mmap", "socket"))
     assert not bad, bad
 
 

@@ -132,8 +132,9 @@ def check_shape(fqn: str, ms: MsLayout, shape: Sequence[int]) -> None:
                              f"{len(ms.tensor_map)} entries")
     for d, (s, p) in enumerate(zip(shape, ms.strategy())):
         if s % p:
-            raise StateDictError(f"{fqn!r}: dim {d} of shape {tuple(shape)} is split in {p} pieces but is not "
-                                 f"divisible by {p}; MindSpore layouts split evenly")
+            raise StateDictError(f"{fqn!r}: dim {d} of shape {tuple(shape)} is split in {p} pieces "
+                                 "but is not divisible "
+                                 f"by {p}; MindSpore layouts split evenly")
 
 
 def full_shape(fqn: str, ms: MsLayout, local_shape: Sequence[int]) -> tuple[int, ...]:

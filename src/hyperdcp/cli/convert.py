@@ -116,8 +116,9 @@ def run(args) -> int:
             print(f"non-tensor values written to {safe(args.values_file)}", file=sys.stderr)
         tops = _top_prefixes(r.tensor_names) if not (args.include or args.exclude or args.strip_prefix) else []
         if len(tops) > 1:
-            hint = (f"; the names start with {', '.join(safe(t) for t in tops[:5])}: to export only the model's "
-                    f"weights pass e.g. --include {safe(tops[0])} --strip-prefix {safe(tops[0])}")
+            hint = (f"; the names start with {', '.join(safe(t) for t in tops[:5])}: "
+                    "to export only the model's weights "
+                    f"pass e.g. --include {safe(tops[0])} --strip-prefix {safe(tops[0])}")
     if not args.quiet:
         print(f"{direction}: {r.tensors} tensors, {r.tensor_bytes / 1e9:.3f} GB in {r.seconds:.2f} s "
               f"({r.gb_per_s:.2f} GB/s) -> {safe(r.dst)} ({len(r.files)} file{'s' if len(r.files) != 1 else ''}){hint}")

@@ -50,8 +50,9 @@ _OWNED = re.compile(r"^r\d{5}-(?:[0-9a-f]{12}-)?\d{2,}\.safetensors$")
 def _wrap(action: str, url: str, e: BaseException) -> StorageError:
     if isinstance(e, StorageError):
         return e
-    return StorageError(f"{' '.join(x for x in (action, url) if x)} failed ({type(e).__name__}: {str(e)[:300]}); check "
-                        "the URL, the endpoint (AWS_ENDPOINT_URL), the credentials and the network, then retry")
+    return StorageError(f"{' '.join(x for x in (action, url) if x)} failed ({type(e).__name__}: {str(e)[:300]}); "
+                        "check the URL, the endpoint "
+                        "(AWS_ENDPOINT_URL), the credentials and the network, then retry")
 
 
 class _Upload(FileWriter):

@@ -281,8 +281,9 @@ def _prepare_dcp_dir(dst: str, overwrite: bool) -> str:
         if names is None:
             raise CheckpointExistsError(f"{dst!r} exists and is not a directory; choose another destination")
         if names and not overwrite:
-            raise CheckpointExistsError(f"{dst!r} exists and is not empty; pass overwrite=True (--overwrite) to "
-                                        "replace a torch DCP checkpoint there, or choose another destination")
+            raise CheckpointExistsError(f"{dst!r} exists and is not empty; "
+                                        "pass overwrite=True (--overwrite) to replace "
+                                        "a torch DCP checkpoint there, or choose another destination")
         if names and not (".metadata" in names and all(n == ".metadata" or n.endswith(".distcp") for n in names)):
             raise CheckpointExistsError(f"{dst!r} holds files other than a torch DCP checkpoint's; it is never "
                                         "replaced: choose another destination")
