@@ -11,8 +11,8 @@ and read (hyperdcp: LoadResult.bytes_read; Orbax: the process's rchar, which cou
 page cache too), and the checkpoint size against the unique bytes of the tree. Orbax runs with its
 default options and with ``use_replica_parallel`` off and on (``ArrayHandler``). Its load-and-broadcast
 handler (``SingleReplicaArrayHandler``) needs replicas spread over several processes/slices and does not
-apply to one process. Loads are warm: each reads a checkpoint once before it is timed (dropping the page cache would
-disturb
+apply to one process. Loads are warm: each reads a checkpoint once before it is timed
+(dropping the page cache would disturb
 other jobs on the machine), and only the measured checkpoints are kept.
 """
 

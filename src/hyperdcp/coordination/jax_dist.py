@@ -11,8 +11,8 @@ service, a key-value store with blocking reads. The collectives run over it, roo
 
 Keys live under ``hyperdcp/<epoch>/``; the epoch advances at every :meth:`arrive` (one per save or
 load, a full exchange); once every process has arrived in epoch ``e``, none reads a key of epoch
-``e - 1`` any more and rank 0 deletes them, so the store holds at most two saves' or loads' worth. Values over 1 MiB
-travel in parts. A rank that does not contribute within
+``e - 1`` any more and rank 0 deletes them, so the store holds at most two saves' or loads' worth.
+Values over 1 MiB travel in parts. A rank that does not contribute within
 ``timeout`` makes the root fail naming it; the root publishes that failure in place of the result, so
 every waiting rank raises the same :class:`CoordinationError` instead of waiting longer.
 

@@ -18,8 +18,8 @@ and its ``/dev/shm``.
 
 :func:`sigterm_cleanup` makes SIGTERM run cleanups and then terminate the process by SIGTERM again,
 where SIGTERM had its default action; a handler of the user's stays in charge (it is called instead,
-and if it exits, the atexit cleanups run); an ignored SIGTERM stays ignored. While the main thread is blocked inside a C
-call (a collective), Python
+and if it exits, the atexit cleanups run); an ignored SIGTERM stays ignored.
+While the main thread is blocked inside a C call (a collective), Python
 runs the handler only once that call returns (at the latest at the coordination timeout).
 """
 

@@ -1,5 +1,5 @@
-"""Save planning: local plans and the deduplicating global plan (per-rank classification: .per_rank; the plan cache:
-.plan_cache).
+"""Save planning: local plans and the deduplicating global plan
+(per-rank classification: .per_rank; the plan cache: .plan_cache).
 
 Lifecycle of one save (every rank):
 

@@ -25,8 +25,8 @@ Call order, no-collectives save (each rank alone, see docs/FORMAT.md)::
     files.create(name) ... ; files.put(rank file name, record)       # the rank's record last, atomically
 
 ``atomic_replace`` says whether an overwrite swaps the whole checkpoint at once (local: renameat2). A
-store without it (object stores: :class:`~.object_store.ObjectStorage`) still commits atomically in the format's sense
--- the
+store without it (object stores: :class:`~.object_store.ObjectStorage`)
+still commits atomically in the format's sense -- the
 checkpoint is complete iff its commit record is present and valid -- by writing data files under
 per-save names and :meth:`SaveStaging.commit` putting the record last; ``location`` is then the final
 prefix plus that token, so the interface needs no rename.
