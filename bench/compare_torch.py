@@ -139,8 +139,8 @@ def main() -> None:
         rows[lib] = (save_s, load_s)
         print(f"{lib:10} {save_s:8.2f} {load_s:8.2f} {w / unique:15.3f} {r / unique:12.3f} {size / unique:12.4f} "
               f"{str(ok):>9}")
-    print(f"peak RSS per rank (both libraries in one process): {max(o['maxrss_kib'] for o in out.values()) / 1024:.0f} "
-          "MiB")
+    print("peak RSS per rank (both libraries in one process): "
+          f"{max(o['maxrss_kib'] for o in out.values()) / 1024:.0f} MiB")
     print(f"ratios torch/hyperdcp: save {rows['torch'][0] / rows['hyperdcp'][0]:.2f}x, load "
           f"{rows['torch'][1] / rows['hyperdcp'][1]:.2f}x; "
           f"hyperdcp save / dd floor {rows['hyperdcp'][0] / dd_s:.2f}x")

@@ -39,8 +39,8 @@ def register(subparsers) -> None:
     b.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB; e.g. 500MB, 2GiB)")
     b.add_argument("--dtype", default=None, help="cast floating tensors to bf16, f16, f32 or f64")
     b.add_argument("--values-file", default=None, metavar="PATH",
-                   help="write the checkpoint's non-tensor values to this JSON file (otherwise they are listed and "
-                        "skipped)")
+                   help="write the checkpoint's non-tensor values to this JSON file "
+                        "(otherwise they are listed and skipped)")
     b.add_argument("--include", action="append", default=[], metavar="PREFIX",
                    help="export only keys starting with PREFIX (repeatable; plain string prefix, e.g. 'model.')")
     b.add_argument("--exclude", action="append", default=[], metavar="PREFIX",

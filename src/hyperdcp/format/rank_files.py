@@ -138,8 +138,8 @@ def _merge(path: str, docs: dict[int, dict]) -> Metadata:
         missing = [r for r in range(min(W, len(docs) + 16)) if r not in docs][:16]
         raise IncompleteCheckpointError(
             f"incomplete checkpoint at {path!r} (no-collectives mode): rank file(s) of rank(s) {missing} "
-            f"({W - len(docs)} in all) of {W} are missing (those ranks' saves did not finish); load an earlier "
-            "checkpoint"
+            f"({W - len(docs)} in all) of {W} are missing (those ranks' saves did not finish); "
+            "load an earlier checkpoint"
         )
     _check_whole(path, docs, W)
     files: list[FileMeta] = []

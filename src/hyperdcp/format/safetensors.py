@@ -81,8 +81,8 @@ def read_header(pread: Callable[[int, int], bytes], file_size: int, where: str,
         raise CorruptionError(f"{where}: file truncated inside its header length")
     (n,) = struct.unpack("<Q", prefix)
     if n > MAX_HEADER_BYTES or 8 + n > file_size:
-        raise FormatError(f"{where}: declared header size {n} is larger than the file or the {MAX_HEADER_BYTES}-byte "
-                          "limit")
+        raise FormatError(f"{where}: declared header size {n} is larger than the file "
+                          f"or the {MAX_HEADER_BYTES}-byte limit")
     raw = pread(n, 8)
     if len(raw) != n:
         raise CorruptionError(f"{where}: file truncated inside its header")
@@ -109,8 +109,8 @@ def read_header(pread: Callable[[int, int], bytes], file_size: int, where: str,
         if any(type(s) is not int or s < 0 for s in shape) or len(shape) > 64:
             raise FormatError(f"{where}: entry {k!r} has an invalid shape {shape!r}")
         if len(offs) != 2 or any(type(o) is not int for o in offs) or not 0 <= offs[0] <= offs[1] <= data_len:
-            raise FormatError(f"{where}: entry {k!r} has data_offsets {offs!r} outside the file's {data_len} data "
-                              "bytes")
+            raise FormatError(f"{where}: entry {k!r} has data_offsets {offs!r} "
+                              f"outside the file's {data_len} data bytes")
         try:
             size = dtypes.itemsize(v.get("dtype"))
         except FormatError as e:

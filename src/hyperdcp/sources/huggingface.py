@@ -209,8 +209,8 @@ def hf_files(path: str | os.PathLike, links: dict[str, str] | None = None
     indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]
     if len(indexes) > 1:
         if INDEX_FILE not in indexes:
-            raise FormatError(f"{path!r} holds several index files {indexes}; pass the shard file you want or keep one "
-                              "index")
+            raise FormatError(f"{path!r} holds several index files {indexes}; "
+                              "pass the shard file you want or keep one index")
         indexes = [INDEX_FILE]
     if indexes:
         index_path = _resolve(path, indexes[0], hub_repo(path), links)

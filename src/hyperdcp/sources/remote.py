@@ -140,8 +140,8 @@ class RemoteFiles(DataFiles):
                                   "checkpoint") from None
         want = self.meta.files[fidx].nbytes
         if size != want:
-            raise CorruptionError(f"data file {url} has {size} bytes but the metadata records {want} (truncated or "
-                                  "replaced)")
+            raise CorruptionError(f"data file {url} has {size} bytes "
+                                  f"but the metadata records {want} (truncated or replaced)")
         if getattr(self.meta, "has_checksums", True):
             def header(n: int, off: int) -> bytes:
                 if off + n <= len(first):

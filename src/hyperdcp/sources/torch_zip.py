@@ -113,8 +113,8 @@ def read_record(pread: Callable[[int, int], bytes], length: int, where: str) -> 
             raise FormatError(f"{where}: entry {name!r}: no local header at byte {lho}")
         start = lho + 30 + nlen + xlen
         if start + size > length:
-            raise FormatError(f"{where}: entry {name!r} ({size} bytes at {start}) extends past the record's {length} "
-                              "bytes")
+            raise FormatError(f"{where}: entry {name!r} ({size} bytes at {start}) "
+                              f"extends past the record's {length} bytes")
         entries[name[len(prefix):]] = (start, size)
         crcs[name[len(prefix):]] = crc
     return Record(prefix, entries, head, crcs)

@@ -154,8 +154,8 @@ class FsspecStorage(Storage):
                     self.bytes_read += len(data)
                 raise CorruptionError(
                     f"{self.path(name)}: unexpected end of file while reading {what} (got {done + len(data)} of "
-                    f"{len(mv)} bytes from offset {offset}); the file is truncated; restore it or load another "
-                    "checkpoint"
+                    f"{len(mv)} bytes from offset {offset}); the file is truncated; "
+                    "restore it or load another checkpoint"
                 )
             mv[done : done + n] = data
             done += n

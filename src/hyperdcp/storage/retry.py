@@ -65,8 +65,8 @@ def retryable(e: BaseException) -> bool:
         return True
     if "GenericError" in names:  # obstore: the message carries the cause
         msg = str(e).lower()
-        return any(s in msg for s in ("connection", "timed out", "reset", "status code: 5", "503", "500",
-                                      "broken pipe"))
+        return any(s in msg for s in ("connection", "timed out", "reset", "status code: 5",
+                                      "503", "500", "broken pipe"))
     return False
 
 

@@ -440,8 +440,8 @@ def _prepare_hf_dir(dst: str, overwrite: bool) -> None:
                 if n.endswith(".safetensors") or n.endswith(INDEX_SUFFIX) or n == METADATA_FILE]
     if existing and not overwrite:
         raise CheckpointExistsError(
-            f"{dst!r} already holds {existing[:3]}; pass --overwrite (overwrite=True) to replace them or choose an "
-            "empty directory"
+            f"{dst!r} already holds {existing[:3]}; "
+            "pass --overwrite (overwrite=True) to replace them or choose an empty directory"
         )
     if METADATA_FILE in existing:
         raise CheckpointExistsError(f"{dst!r} is a hyperdcp checkpoint; refusing to write HF files into it")
