@@ -291,7 +291,7 @@ def main() -> None:
             if args.profile:
                 moto, px = rows[0]["cpu_others"]
                 print(f"    CPU s: ranks {sum(r['cpu'] for r in rows):.2f} (max {max(r['cpu'] for r in rows):.2f}), "
-                      f"moto {moto:.2f}, proxy {px:.2f}")  # noqa: E501
+                      f"moto {moto:.2f}, proxy {px:.2f}")
             if rows[0].get("timeline"):
                 done = sorted(r["done"] for r in rows)
                 print(f"    ranks returned after {done[0]:.2f}..{done[-1]:.2f} s\n" + rows[0]["timeline"])
