@@ -119,7 +119,7 @@ def cpu_shims() -> None:
     if not hasattr(torch.distributed, "set_timeout"):
         torch.distributed.set_timeout = torch.distributed.distributed_c10d._set_pg_timeout
 
-    # torchtitan refuses a dataloader state saved under another dp degree (components/dataloader.py:158, "dataloader
+    # torchtitan refuses a dataloader state saved under another dp degree (components/dataloader.py:161, "dataloader
     # resharding is not supported yet"); the test's dataset is two identical halves, so a rank's position in its
     # half under 2 ranks is the same position in the whole under 1 rank: the state is valid under both
     from torchtitan.components.dataloader import ParallelAwareDataloader
