@@ -199,7 +199,8 @@ def _rank(rank, world, args, endpoint, pids=()):
                 continue
             state = base._state(mesh, placements, shapes, fill=False)
             if lib == "hyperdcp":
-                timed((f"load {case}", lib), hyperdcp.load, state, "s3://bench/hyperdcp")
+                timed((f"load {case}", lib), hyperdcp.load, state, "s3://bench/hyperdcp",
+                      read_once_batch_bytes=args.batch_mib << 20)
             else:
                 timed((f"load {case}", lib), dcp.load, state, storage_reader=FsspecReader("s3://bench/torch"))
             base._check(state, shapes)

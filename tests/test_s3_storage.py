@@ -296,6 +296,137 @@ def test_a_files_first_read_and_its_header_check_are_one_request(s3):
     bad.close()
 
 
+def _four_tensor_file(s3, name: str):
+    """A checkpoint of four 1 MiB tensors in one data file, and its four chunk spans in file order."""
+    from hyperdcp.sources.remote import load_remote_metadata
+
+    url = f"s3://{s3.bucket}/{name}"
+    arrays = {k: np.full(MiB // 4, i + 1, np.float32) for i, k in enumerate("abcd")}
+    hyperdcp.save(arrays, url)
+    meta = load_remote_metadata(url)
+    spans = sorted((int(c.file[0]), int(c.begin[0]), int(c.end[0] - c.begin[0]))
+                   for c in (meta.tensors[k].chunks for k in "abcd"))
+    assert len({f for f, _, _ in spans}) == 1
+    return url, meta, spans, arrays
+
+
+class _HeldCheck(ObjectStorage):
+    """An S3 location whose file checks (``probe``) start, then wait until another request went out."""
+
+    def __init__(self, url: str):
+        import threading
+
+        super().__init__(url)
+        self.checking, self.other_request = threading.Event(), threading.Event()
+
+    def probe(self, name, n, what="file"):
+        self.checking.set()
+        assert self.other_request.wait(20), "no other request went out while the check was in flight"
+        return super().probe(name, n, what)
+
+    def fetch(self, name, offset, n):
+        data = super().fetch(name, offset, n)
+        self.other_request.set()
+        return data
+
+
+def test_a_run_is_requested_while_another_thread_checks_its_file_and_handed_over_once_checked(s3):
+    """Two runs of one file (a+b, c+d): the thread fetching c+d does not wait for the check the other thread
+    folded into its a+b request; every byte arrives exactly once, in two requests."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hyperdcp.loading.coalesced_reads import CoalescedReads
+    from hyperdcp.sources.remote import RemoteFiles
+
+    url, meta, spans, arrays = _four_tensor_file(s3, "early")
+    storage = _HeldCheck(url)
+    files = RemoteFiles(url, meta, storage=storage)
+    reads = CoalescedReads(files, spans, 2 * spans[0][2])  # runs of two spans
+    assert reads.runs == 2
+    got = [np.empty(n, np.uint8) for _, _, n in spans]
+
+    def one(i: int) -> None:
+        if i == 2:
+            assert storage.checking.wait(20)  # c's thread starts once a's thread is checking the file
+        f, off, n = spans[i]
+        reads.fd(f, (off, n))
+        reads.read_into(f, off, got[i])
+
+    with ThreadPoolExecutor(2) as ex:
+        list(ex.map(one, [0, 2]))
+    with ThreadPoolExecutor(2) as ex:
+        list(ex.map(one, [1, 3]))
+    for i, k in enumerate("abcd"):
+        assert got[i].view(np.float32).tolist() == arrays[k].tolist(), k
+    assert files.requests == 2 and files.bytes_read == sum(n for _, _, n in spans)
+    files.close()
+
+
+def test_a_read_that_went_out_during_the_check_of_a_truncated_file_raises_the_checks_error(s3):
+    """The early request of c+d meets a truncated object; both threads raise the check's error (the size), not a
+    short read, and nothing is handed over."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hyperdcp.loading.coalesced_reads import CoalescedReads
+    from hyperdcp.sources.remote import RemoteFiles
+
+    url, meta, spans, _ = _four_tensor_file(s3, "early-bad")
+    key = f"early-bad/{meta.files[spans[0][0]].name}"
+    raw = s3.boto().get_object(Bucket=s3.bucket, Key=key)["Body"].read()
+    s3.boto().put_object(Bucket=s3.bucket, Key=key, Body=raw[: spans[2][1] + 10])  # cut inside c
+    storage = _HeldCheck(url)
+    files = RemoteFiles(url, meta, storage=storage)
+    reads = CoalescedReads(files, spans, 2 * spans[0][2])
+
+    def one(i: int) -> str:
+        if i == 2:
+            assert storage.checking.wait(20)
+        f, off, n = spans[i]
+        with pytest.raises(hyperdcp.CorruptionError) as e:
+            reads.read_into(f, off, np.empty(n, np.uint8))
+        return str(e.value)
+
+    with ThreadPoolExecutor(2) as ex:
+        msgs = list(ex.map(one, [0, 2]))
+    for m in msgs:
+        assert "bytes but the metadata records" in m and meta.files[spans[0][0]].name in m, m
+    files.close()
+
+
+def test_four_threads_reading_two_runs_at_once_request_each_byte_once(s3):
+    """However the threads of a read-once batch interleave, each run is one request and each byte is read once;
+    the file's check is folded into the first run's request unless the other run's thread checks the file first
+    (then the check is a small request of its own)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hyperdcp.loading.coalesced_reads import CoalescedReads
+    from hyperdcp.sources.remote import RemoteFiles
+
+    url, meta, spans, arrays = _four_tensor_file(s3, "race")
+    for trial in range(6):
+        files = RemoteFiles(url, meta)
+        reads = CoalescedReads(files, spans, 2 * spans[0][2])
+        got = [np.empty(n, np.uint8) for _, _, n in spans]
+        go = threading.Barrier(4)
+
+        def one(i: int, go=go, reads=reads, got=got) -> None:
+            go.wait(10)
+            f, off, n = spans[i]
+            reads.fd(f, (off, n))
+            reads.read_into(f, off, got[i])
+
+        order = list(range(4)) if trial % 2 else [3, 1, 2, 0]
+        with ThreadPoolExecutor(4) as ex:
+            list(ex.map(one, order))
+        for i, k in enumerate("abcd"):
+            assert got[i].view(np.float32).tolist() == arrays[k].tolist(), (trial, k)
+        folded = files.header_bytes_read == spans[0][1]  # the check fetched the header and a+b, nothing more
+        assert files.requests == (2 if folded else 3), trial
+        assert files.bytes_read == sum(n for _, _, n in spans), trial
+        files.close()
+
+
 def test_convert_hf_into_s3_then_inspect_diff_and_verify_the_format_2_checkpoint(s3, tmp_path, monkeypatch, capsys):
     """hf-to-hyperdcp writes through the destination's Storage: into a bucket it uploads per-save objects and
     the record last; the result loads back bit-exact. It is a format-2 checkpoint (a binary chunk index object),

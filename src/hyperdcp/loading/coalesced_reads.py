@@ -10,6 +10,11 @@ so memory grows by at most one run (``limit``) per reading thread.
 
     files = CoalescedReads(files, [(file, offset, nbytes), ...], limit)   # this batch's reads
     read_chunk(files, ...)                                                # as with ``files`` itself
+
+A run's file is checked (``files.fd``) by the thread that fetches the run, under the run's lock, with the
+run as the first read, so a remote reader can fold the check and the run into one request while the run's
+other units wait for it; ``fd`` of a unit in a run returns at once. Sizes come from the metadata and are
+bounded by ``limit``: no buffer larger than one run is allocated before its file was checked.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ import threading
 from typing import Any, Sequence
 
 import numpy as np
+
+
+def _never(fidx: int) -> bool:
+    return False
 
 
 class _Run:
@@ -55,8 +64,9 @@ class CoalescedReads:
         return len({id(r) for r in self._runs.values()})
 
     def fd(self, fidx: int, first: tuple[int, int] | None = None) -> int:
-        run = None if first is None else self._runs.get((fidx, first[0], first[1]))
-        return self.files.fd(fidx, first if run is None else (run.start, run.end - run.start))
+        if first is not None and (fidx, first[0], first[1]) in self._runs:
+            return fidx  # a run's file is checked by the run's reader, under the run's lock (read_into)
+        return self.files.fd(fidx, first)
 
     def path(self, fidx: int) -> str:
         return self.files.path(fidx)
@@ -68,14 +78,24 @@ class CoalescedReads:
             return self.files.read_into(fidx, offset, out, what)
         with run.lock:
             if run.data is None:
-                data = np.empty(run.end - run.start, dtype=np.uint8)
-                self.files.read_into(fidx, run.start, data, what)  # raises: the next unit tries again
+                # the check, and with it (when the file allows) this run's bytes in one request, under the run's
+                # lock: the run's other units wait here instead of requesting it again. While another thread
+                # checks the file, the run's request goes out at once (the reader hands the bytes over once the
+                # check passed)
+                if not getattr(self.files, "check_in_flight", _never)(fidx):
+                    self.files.fd(fidx, (run.start, run.end - run.start))
+                fetch = getattr(self.files, "read_bytes", None)  # the reader's own buffer: no copy into ours
+                if fetch is not None:
+                    data = np.frombuffer(fetch(fidx, run.start, run.end - run.start, what), dtype=np.uint8)
+                else:
+                    data = np.empty(run.end - run.start, dtype=np.uint8)
+                    self.files.read_into(fidx, run.start, data, what)  # raises: the next unit tries again
                 run.data = data
             data = run.data
             run.left -= 1
             if run.left == 0:
                 run.data = None
-        mv[:] = memoryview(data)[offset - run.start : offset - run.start + len(mv)]
+        np.copyto(np.frombuffer(mv, dtype=np.uint8), data[offset - run.start : offset - run.start + len(mv)])
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.files, name)

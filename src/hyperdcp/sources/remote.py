@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 import threading
 
-from ..errors import CheckpointNotFoundError, CorruptionError, IncompleteCheckpointError
+from ..core.buffers import copy_into
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptionError, IncompleteCheckpointError
 from ..format.metadata import METADATA_FILE, Metadata
 from ..storage.base import Storage
 from ..storage.fsspec import MAX_REQUEST_BYTES, filesystem
@@ -81,7 +82,8 @@ class RemoteFiles(DataFiles):
         self.url = self.root.rstrip("/")
         self._checked: set[int] = set()
         self._file_locks: dict[int, threading.Lock] = {}
-        self._fetched: dict[tuple[int, int, int], bytes] = {}  # a first read fetched with its file's check
+        self._checking: set[int] = set()  # files whose check is in flight
+        self._fetched: dict[tuple[int, int, int], memoryview] = {}  # a first read fetched with its file's check
         self._fetched_bytes = 0
         self.header_bytes_read = 0
 
@@ -114,14 +116,26 @@ class RemoteFiles(DataFiles):
                 limit = int(getattr(self.storage, "max_request_bytes", 0) or 0)
                 fold = first is not None and first[1] > 0 and first[0] <= HEADER_PREFETCH and \
                     sum(first) <= limit + HEADER_PREFETCH and getattr(self.storage, "probe", None) is not None
-                head = self._check_file(fidx, sum(first) if fold else HEADER_PREFETCH)  # type: ignore[arg-type]
+                with self._lock:
+                    self._checking.add(fidx)
+                try:
+                    head = self._check_file(fidx, sum(first) if fold else HEADER_PREFETCH)  # type: ignore[arg-type]
+                finally:
+                    with self._lock:
+                        self._checking.discard(fidx)
                 if fold and len(head) >= sum(first):  # type: ignore[arg-type]
                     off, n = first  # type: ignore[misc]
                     with self._lock:
-                        self._fetched[(fidx, off, n)] = head[off:off + n]
+                        self._fetched[(fidx, off, n)] = memoryview(head)[off:off + n]  # a view: no copy
                         self.header_bytes_read -= n  # data bytes, counted when read_into takes them
                 self._checked.add(fidx)
         return fidx
+
+    def check_in_flight(self, fidx: int) -> bool:
+        """Whether another thread is checking file ``fidx`` now: a :meth:`read_into` of it may go out without
+        waiting (it hands its bytes over once the check passed)."""
+        with self._lock:
+            return fidx in self._checking and fidx not in self._checked
 
     def _check_file(self, fidx: int, prefetch: int = HEADER_PREFETCH) -> bytes:
         """Check file ``fidx``; returns the first bytes fetched with the check (up to ``prefetch``)."""
@@ -155,8 +169,21 @@ class RemoteFiles(DataFiles):
         return first
 
     def read_into(self, fidx: int, offset: int, out, what: str = "") -> None:
-        """Fill ``out`` (a writable bytes-like) from ``offset`` with ranged requests; a short read is corruption."""
+        """Fill ``out`` (a writable bytes-like) from ``offset`` with ranged requests; a short read is corruption.
+
+        While another thread checks the file, this read's requests go out at once and the bytes are handed
+        over only once the check passed (its error, if it fails, is the one raised)."""
         mv = memoryview(out).cast("B")
+        if self.check_in_flight(fidx):
+            try:
+                self.storage.read_into(self.meta.files[fidx].name, offset, out, what)
+            except CheckpointError:
+                self.fd(fidx)  # a damaged file: the check names what is wrong with it
+                raise
+            self.fd(fidx)
+            with self._lock:
+                self.reads += 1
+            return
         self.fd(fidx, (offset, len(mv)))
         with self._lock:
             got = self._fetched.pop((fidx, offset, len(mv)), None)
@@ -164,11 +191,46 @@ class RemoteFiles(DataFiles):
                 self._fetched_bytes += len(got)
                 self.reads += 1
         if got is not None:
-            mv[:] = got
+            copy_into(mv, got)
             return
         self.storage.read_into(self.meta.files[fidx].name, offset, out, what)
         with self._lock:
             self.reads += 1
+
+    def read_bytes(self, fidx: int, offset: int, n: int, what: str = ""):
+        """Bytes [offset, offset + n) of data file ``fidx`` as a read-only buffer: the storage's own answer, not
+        copied into one of the caller's (:class:`~hyperdcp.loading.coalesced_reads.CoalescedReads` runs). One
+        request when ``n`` fits the storage's request size; otherwise a buffer filled by :meth:`read_into`."""
+        if n > int(getattr(self.storage, "max_request_bytes", 0) or 0):
+            out = bytearray(n)
+            self.read_into(fidx, offset, out, what)
+            return memoryview(out)
+        early = self.check_in_flight(fidx)
+        if not early:
+            self.fd(fidx, (offset, n))
+            with self._lock:
+                got = self._fetched.pop((fidx, offset, n), None)
+                if got is not None:
+                    self._fetched_bytes += len(got)
+                    self.reads += 1
+            if got is not None:
+                return got
+        try:
+            data = self.storage.fetch(self.meta.files[fidx].name, offset, n)
+            if len(data) < n:
+                raise CorruptionError(
+                    f"{self.path(fidx)}: unexpected end of file while reading {what} ({n} bytes from offset "
+                    f"{offset}); the object is truncated; restore it or load another checkpoint")
+        except CheckpointError:
+            if early:
+                self.fd(fidx)  # a damaged file: the check names what is wrong with it
+            raise
+        if early:
+            self.fd(fidx)
+        with self._lock:
+            self._fetched_bytes += len(data)
+            self.reads += 1
+        return memoryview(data)
 
     def close(self) -> None:
         """Forget the checks and release the storage's handles."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from ..core.buffers import copy_into
 from ..errors import CheckpointNotFoundError, CorruptionError, FormatError, StorageError, UnsupportedStorageError
 from .base import SaveFiles, SaveStaging, Storage
 from .urls import url_join
@@ -157,7 +158,7 @@ class FsspecStorage(Storage):
                     f"{len(mv)} bytes from offset {offset}); the file is truncated; "
                     "restore it or load another checkpoint"
                 )
-            mv[done : done + n] = data
+            copy_into(mv, data, done)
             done += n
             with self._lock:
                 self.bytes_read += n
