@@ -118,6 +118,44 @@ def test_the_cli_converts_both_ways_and_inspect_names_the_kind(torch_ckpt, tmp_p
     _equal(state, _state())
 
 
+def test_torch_dcp_converts_straight_into_s3_and_loads_back_bit_exact(torch_ckpt, s3, capsys):
+    """Into a bucket (moto's real S3 server): per-save objects, the commit record last, a load, verify, no silent
+    overwrite; the CLI too."""
+    url = f"s3://{s3.bucket}/from-torch/step-11"
+    res = torch_dcp_to_hyperdcp(torch_ckpt, url, buffer_bytes=16 << 10, checksum_block_bytes=4 << 10, threads=3)
+    assert res.tensors == 6 and res.skipped_values == [] and res.dst == url
+    keys = sorted(o["Key"] for o in s3.boto().list_objects_v2(Bucket=s3.bucket, Prefix="from-torch/")["Contents"])
+    assert "from-torch/step-11/hyperdcp.json" in keys
+    assert all(k.endswith("hyperdcp.json") or any(f in k for f in res.files) for k in keys), keys
+    state = _state(zeros=True)
+    hyperdcp.load(state, url)
+    _equal(state, _state())
+    assert hyperdcp.verify_checkpoint(url).ok
+    with pytest.raises(hyperdcp.CheckpointExistsError):
+        torch_dcp_to_hyperdcp(torch_ckpt, url)
+    other = f"s3://{s3.bucket}/from-torch/step-12"
+    assert cli_main(["convert", "torch-dcp-to-hyperdcp", "-q", torch_ckpt, other]) == 0
+    assert hyperdcp.latest_checkpoint(f"s3://{s3.bucket}/from-torch") == other
+    state = _state(zeros=True)
+    hyperdcp.load(state, other)
+    _equal(state, _state())
+
+
+def test_a_damaged_torch_data_file_fails_a_conversion_into_s3_and_nothing_is_listed(torch_ckpt, s3):
+    meta = hyperdcp.read_metadata(torch_ckpt, source="torch-dcp")
+    w = meta.tensors["model.w"].chunks
+    with open(os.path.join(torch_ckpt, meta.files[int(w.file[0])].name), "r+b") as f:
+        f.seek(int(w.begin[0]) + 1000)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    root = f"s3://{s3.bucket}/bad"
+    with pytest.raises(hyperdcp.CorruptionError, match=r"__0_0\.distcp.*'model\.w'.*CRC-32"):
+        torch_dcp_to_hyperdcp(torch_ckpt, f"{root}/step-1")
+    assert hyperdcp.list_checkpoints(root) == []
+    assert s3.boto().list_objects_v2(Bucket=s3.bucket, Prefix="bad/").get("KeyCount", 0) == 0  # aborted: no objects
+
+
 def test_values_are_split_as_torch_splits_them():
     groups = [{"lr": 0.1, "params": ["a", "b"]}, {"lr": 0.2, "params": []}]
     flat = {k: v for k, _, v in dcp_flatten("optim.param_groups", groups)}

@@ -52,7 +52,7 @@ def register(subparsers) -> None:
                        "checkpoint, streaming with bounded memory. Its .metadata is read with a restricted unpickler "
                        "(torch's metadata records only; anything else is refused by name and never executed).")
     c.add_argument("src", metavar="SRC", help="torch DCP checkpoint directory (with .metadata)")
-    c.add_argument("dst", metavar="DST", help="hyperdcp checkpoint directory to create")
+    c.add_argument("dst", metavar="DST", help="hyperdcp checkpoint to create: a directory or an s3:// URL")
     d = sub.add_parser("hyperdcp-to-torch-dcp", help="hyperdcp checkpoint -> torch.distributed.checkpoint directory",
                        description="Write a checkpoint that torch.distributed.checkpoint.load reads (needs torch).")
     d.add_argument("src", metavar="SRC", help="hyperdcp checkpoint directory (or HF safetensors)")

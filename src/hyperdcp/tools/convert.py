@@ -35,7 +35,7 @@ from ..loading.reads import read_box
 from ..results import ConvertResult
 from ..sources.base import open_source, rename_keys
 from ..sources.huggingface import INDEX_FILE, INDEX_SUFFIX, SINGLE_FILE, HuggingFaceSource
-from ..storage.base import SaveFiles
+from ..storage.base import SaveFiles, SaveStaging
 from ..storage.checksum import block_digests
 from ..storage.data_file import MAX_HEADER_BYTES, ChunkToWrite, build_header
 from ..storage.local import LocalStorage
@@ -69,8 +69,9 @@ def _stream_file(files: SaveFiles, name: str, header: bytes, pieces: Sequence, r
 
     ``read(piece, buf) -> (n, extra)`` fills ``buf[:n]`` with the piece on one of ``threads`` threads, up to
     ``threads`` pieces ahead of the writer, which appends them in file order and calls ``done(piece, n,
-    extra)`` after each: the file is one sequential stream whatever the storage (a local file, an object
-    upload) and memory stays at ``threads`` buffers of ``piece_bytes``.
+    extra)`` after each (before the piece's buffer is reused: ``extra`` may hold a view of it): the file is one
+    sequential stream whatever the storage (a local file, an object upload) and memory stays at ``threads``
+    buffers of ``piece_bytes``.
     """
     window = max(1, threads)
     with files.create(name, "data file") as w, ThreadPoolExecutor(window, thread_name_prefix="hyperdcp-convert") as ex:
@@ -82,8 +83,8 @@ def _stream_file(files: SaveFiles, name: str, header: bytes, pieces: Sequence, r
             fut, piece, buf = pending.popleft()
             n, extra = fut.result()
             w.write(memoryview(buf)[:n])
-            free.append(buf)
             done(piece, n, extra)
+            free.append(buf)
 
         try:
             for piece in pieces:
@@ -97,6 +98,17 @@ def _stream_file(files: SaveFiles, name: str, header: bytes, pieces: Sequence, r
             for fut, _, _ in pending:
                 fut.cancel()
             raise
+
+
+def _commit(staging: SaveStaging, out: Metadata, token: str) -> None:
+    """Commit a converted checkpoint as a save does: format 2 for large ones (the chunk index first), the
+    commit record last."""
+    index_name = index_file_name(token)
+    record, index = out.encode(index_name)
+    if index is not None:
+        with staging.create(index_name, "chunk index") as w:
+            w.write(index)
+    staging.commit(record)
 
 
 def hf_to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False, threads: int = 4,
@@ -199,12 +211,7 @@ def hf_to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool
         user = {"converted_from": "huggingface-safetensors", **({"hf_metadata": meta.user["hf_metadata"]}
                                                                    if meta.user.get("hf_metadata") else {})}
         out = Metadata(world_size=1, files=out_files, tensors=ordered, values={}, checksum_block_bytes=B, user=user)
-        index_name = index_file_name(token)
-        record, index = out.encode(index_name)  # format 2 for large models: the index first, the record last
-        if index is not None:
-            with staging.create(index_name, "chunk index") as w:
-                w.write(index)
-        staging.commit(record)
+        _commit(staging, out, token)
     except BaseException:
         if staging is not None:
             staging.abort()

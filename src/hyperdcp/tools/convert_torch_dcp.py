@@ -52,20 +52,26 @@ for _name, _code in DTYPES.items():
 
 def torch_dcp_to_hyperdcp(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False,
                           threads: int = 4, buffer_bytes: int = 16 << 20, checksum_block_bytes: int | None = None,
-                          check_crc: bool = True, quiet: bool = True) -> ConvertResult:
+                          check_crc: bool = True, quiet: bool = True,
+                          storage_options: dict | None = None) -> ConvertResult:
     """Convert the torch DCP checkpoint at ``src`` into a hyperdcp checkpoint at ``dst``, streaming.
 
-    Entries hyperdcp cannot read (pickled objects, non-row-major tensors) are left out and listed in
-    ``skipped_values`` of the result. ``check_crc``: compare each whole storage with the CRC-32 of its zip
-    entry (about 1 s/GB of CPU; the only check torch's data has).
+    ``dst``: a directory (positional writes on ``threads`` threads into a temporary directory, then the
+    atomic swap of a save), or an ``s3://`` URL or one of a scheme registered with
+    :func:`~hyperdcp.storage.register_storage` (each data file one sequential upload through the
+    destination's Storage, read ahead on ``threads`` threads, the commit record last; ``storage_options`` as
+    for :func:`hyperdcp.save`). Entries hyperdcp cannot read (pickled objects, non-row-major tensors) are left
+    out and listed in ``skipped_values`` of the result. ``check_crc``: compare each whole storage with the
+    CRC-32 of its zip entry (about 1 s/GB of CPU; the only check torch's data has).
     """
     from ..storage.commit import SaveTarget
+    from ..storage.urls import is_remote, save_path
 
     t0 = time.perf_counter()
-    src, dst = os.fspath(src), os.fspath(dst)
+    src, dst = os.fspath(src), save_path(os.fspath(dst))  # a directory, or a URL hyperdcp saves to
     source = TorchDcpSource.open(src)
     meta = source.metadata
-    if os.path.realpath(dst) == os.path.realpath(source.root):
+    if not is_remote(dst) and os.path.realpath(dst) == os.path.realpath(source.root):
         raise StorageError(f"cannot convert {src!r} into its own directory; choose another destination")
     B = checksum_block_bytes or DEFAULT_BLOCK_BYTES
     piece = max(B, buffer_bytes // B * B)
@@ -75,6 +81,12 @@ def torch_dcp_to_hyperdcp(src: str | os.PathLike, dst: str | os.PathLike, *, ove
         for i in range(len(c)):
             if int(c.end[i]) > int(c.begin[i]):  # an empty chunk has no bytes to store
                 by_file.setdefault(int(c.file[i]), []).append((name, i))
+    if is_remote(dst):
+        out_files, placed, where = _upload(source, by_file, dst, overwrite, threads, piece, B, check_crc, quiet,
+                                           storage_options)
+        return ConvertResult(src, where, len(meta.tensors), meta.tensor_bytes, [f.name for f in out_files],
+                             time.perf_counter() - t0, skipped_values=sorted(source.unreadable),
+                             tensor_names=list(meta.tensors))
     target = SaveTarget(dst, overwrite=overwrite)
     out_files: list[FileMeta] = []
     placed: dict[tuple[str, int], tuple[int, int, str]] = {}  # (name, chunk) -> (out file, begin, checksums)
@@ -84,14 +96,7 @@ def torch_dcp_to_hyperdcp(src: str | os.PathLike, dst: str | os.PathLike, *, ove
         jobs = []
         try:
             for k, (fi, chunks) in enumerate(sorted(by_file.items())):
-                chunks.sort(key=lambda nc: int(meta.tensors[nc[0]].chunks.begin[nc[1]]))
-                stubs = []
-                for name, i in chunks:
-                    t, box = meta.tensors[name], meta.tensors[name].chunks.box(i)
-                    stubs.append(ChunkToWrite(chunk_name(name, box.offsets, box.lengths == tuple(t.shape)), t.dtype,
-                                              box.lengths, SimpleNamespace(size=_nbytes(t, i))))
-                header, starts = build_header(stubs)
-                total = len(header) + sum(s.data.size for s in stubs)
+                header, starts, total = _file_layout(meta, chunks)
                 out_name, spath = f"td{k:05d}.safetensors", os.path.join(source.root, meta.files[fi].name)
                 sfd, _ = open_regular(spath, "torch DCP data file")
                 fds.append((sfd, -1, "", spath))
@@ -159,6 +164,81 @@ def torch_dcp_to_hyperdcp(src: str | os.PathLike, dst: str | os.PathLike, *, ove
     return ConvertResult(src, os.path.abspath(dst), len(meta.tensors), meta.tensor_bytes,
                          [f.name for f in out_files], time.perf_counter() - t0,
                          skipped_values=sorted(source.unreadable), tensor_names=list(meta.tensors))
+
+
+def _upload(source: TorchDcpSource, by_file: dict[int, list[tuple[str, int]]], dst: str, overwrite: bool, threads: int,
+            piece: int, B: int, check_crc: bool, quiet: bool, storage_options: dict | None):
+    """torch DCP -> a URL: one sequential stream per data file through ``dst``'s Storage (objects named with
+    the save's token, the commit record last). Returns (files, placed chunks, the checkpoint's URL)."""
+    from ..format.safetensors import data_file_name, save_token
+    from ..storage.urls import storage_for
+    from .convert import _commit, _stream_file
+
+    meta = source.metadata
+    storage = storage_for(dst, storage_options)
+    out_files: list[FileMeta] = []
+    placed: dict[tuple[str, int], tuple[int, int, str]] = {}
+    staging = storage.begin_save(overwrite=overwrite)
+    progress = Progress(sum(_nbytes(meta.tensors[n], i) for cs in by_file.values() for n, i in cs),
+                        "torch-dcp -> hyperdcp", quiet)
+    try:
+        token = save_token(os.path.basename(staging.location.rstrip("/")))  # as a save names its objects
+        for k, (fi, chunks) in enumerate(sorted(by_file.items())):
+            header, starts, total = _file_layout(meta, chunks)
+            out_name, spath = data_file_name(0, k, token), os.path.join(source.root, meta.files[fi].name)
+            pieces = [(name, i, off, min(piece, _nbytes(meta.tensors[name], i) - off))
+                      for name, i in chunks for off in range(0, _nbytes(meta.tensors[name], i), piece)]
+            digests: dict[tuple[str, int], list[str]] = {nc: [] for nc in chunks}
+            crcs: dict[tuple[str, int], int] = {nc: 0 for nc in chunks}
+            sfd, _ = open_regular(spath, "torch DCP data file")
+            try:
+                def read(p: tuple, buf: np.ndarray, sfd: int = sfd, spath: str = spath) -> tuple[int, tuple]:
+                    name, i, off, n = p
+                    mv = memoryview(buf)[:n]
+                    _pread_into(sfd, mv, int(meta.tensors[name].chunks.begin[i]) + off, spath)
+                    return n, (block_digests(mv, B), mv)
+
+                def done(p: tuple, n: int, extra: tuple, digests=digests, crcs=crcs) -> None:  # in file order
+                    sums, mv = extra
+                    digests[(p[0], p[1])].append(sums)
+                    if check_crc:
+                        crcs[(p[0], p[1])] = zlib.crc32(mv, crcs[(p[0], p[1])])
+                    progress.update(n)
+
+                _stream_file(staging, out_name, header, pieces, read, done, threads, piece)
+            finally:
+                os.close(sfd)
+            for (name, i), s in zip(chunks, starts):
+                want = source.crc.get((name, i)) if check_crc else None
+                if want is not None and want != crcs[(name, i)]:
+                    raise CorruptionError(f"{spath}: the bytes of {name!r} chunk {i} do not match the CRC-32 torch "
+                                          "recorded for them; the data file is damaged")
+                placed[(name, i)] = (k, len(header) + s, "".join(digests[(name, i)]))
+            out_files.append(FileMeta(out_name, total))
+        tensors = {name: _out_tensor(name, t, placed) for name, t in meta.tensors.items()}
+        out = Metadata(world_size=1, files=out_files, tensors=tensors, values=dict(meta.values),
+                       checksum_block_bytes=B, user={"converted_from": "torch-dcp"})
+        _commit(staging, out, token)
+    except BaseException:
+        staging.abort()
+        raise
+    finally:
+        progress.close()
+        staging.release()
+    return out_files, placed, storage.url
+
+
+def _file_layout(meta: Metadata, chunks: list[tuple[str, int]]) -> tuple[bytes, list[int], int]:
+    """Sort ``chunks`` (of one torch data file) by their place in it; the hyperdcp data file's header, each
+    chunk's start after it, and the file's size."""
+    chunks.sort(key=lambda nc: int(meta.tensors[nc[0]].chunks.begin[nc[1]]))
+    stubs = []
+    for name, i in chunks:
+        t, box = meta.tensors[name], meta.tensors[name].chunks.box(i)
+        stubs.append(ChunkToWrite(chunk_name(name, box.offsets, box.lengths == tuple(t.shape)), t.dtype,
+                                  box.lengths, SimpleNamespace(size=_nbytes(t, i))))
+    header, starts = build_header(stubs)
+    return header, starts, len(header) + sum(s.data.size for s in stubs)
 
 
 def _nbytes(t: TensorMeta, i: int) -> int:
