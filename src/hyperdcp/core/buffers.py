@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def as_bytes_array(buf) -> np.ndarray:
-    """``buf`` (any C-contiguous bytes-like) as a flat uint8 array over the same memory."""
-    return np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf.reshape(-1).view(np.uint8)
+from .shards import flat_bytes
 
 
 def copy_into(dst, src, offset: int = 0) -> None:
-    """Copy all of ``src`` into ``dst`` from byte ``offset`` (both bytes-like; ``dst`` writable)."""
-    s = as_bytes_array(src)
-    d = as_bytes_array(memoryview(dst).cast("B"))
+    """Copy all of ``src`` into ``dst`` from byte ``offset`` (both C-contiguous bytes-likes; ``dst`` writable)."""
+    s = flat_bytes(src) if isinstance(src, np.ndarray) else np.frombuffer(src, dtype=np.uint8)
+    d = np.frombuffer(memoryview(dst).cast("B"), dtype=np.uint8)
     np.copyto(d[offset : offset + s.size], s)
 
 
-__all__ = ["as_bytes_array", "copy_into"]
+__all__ = ["copy_into"]

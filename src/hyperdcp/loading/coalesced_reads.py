@@ -24,6 +24,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..core.buffers import copy_into
+
 
 def _never(fidx: int) -> bool:
     return False
@@ -95,7 +97,7 @@ class CoalescedReads:
             run.left -= 1
             if run.left == 0:
                 run.data = None
-        np.copyto(np.frombuffer(mv, dtype=np.uint8), data[offset - run.start : offset - run.start + len(mv)])
+        copy_into(mv, data[offset - run.start : offset - run.start + len(mv)])
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.files, name)

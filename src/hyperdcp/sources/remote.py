@@ -175,25 +175,14 @@ class RemoteFiles(DataFiles):
         over only once the check passed (its error, if it fails, is the one raised)."""
         mv = memoryview(out).cast("B")
         if self.check_in_flight(fidx):
-            try:
-                self.storage.read_into(self.meta.files[fidx].name, offset, out, what)
-            except CheckpointError:
-                self.fd(fidx)  # a damaged file: the check names what is wrong with it
-                raise
-            self.fd(fidx)
-            with self._lock:
-                self.reads += 1
-            return
-        self.fd(fidx, (offset, len(mv)))
-        with self._lock:
-            got = self._fetched.pop((fidx, offset, len(mv)), None)
+            self._then_checked(fidx, lambda: self.storage.read_into(self.meta.files[fidx].name, offset, out, what))
+        else:
+            self.fd(fidx, (offset, len(mv)))
+            got = self._take_fetched(fidx, offset, len(mv))
             if got is not None:
-                self._fetched_bytes += len(got)
-                self.reads += 1
-        if got is not None:
-            copy_into(mv, got)
-            return
-        self.storage.read_into(self.meta.files[fidx].name, offset, out, what)
+                copy_into(mv, got)
+                return
+            self.storage.read_into(self.meta.files[fidx].name, offset, out, what)
         with self._lock:
             self.reads += 1
 
@@ -205,32 +194,47 @@ class RemoteFiles(DataFiles):
             out = bytearray(n)
             self.read_into(fidx, offset, out, what)
             return memoryview(out)
-        early = self.check_in_flight(fidx)
-        if not early:
-            self.fd(fidx, (offset, n))
-            with self._lock:
-                got = self._fetched.pop((fidx, offset, n), None)
-                if got is not None:
-                    self._fetched_bytes += len(got)
-                    self.reads += 1
-            if got is not None:
-                return got
-        try:
+
+        def fetch() -> bytes:
             data = self.storage.fetch(self.meta.files[fidx].name, offset, n)
             if len(data) < n:
                 raise CorruptionError(
                     f"{self.path(fidx)}: unexpected end of file while reading {what} ({n} bytes from offset "
                     f"{offset}); the object is truncated; restore it or load another checkpoint")
-        except CheckpointError:
-            if early:
-                self.fd(fidx)  # a damaged file: the check names what is wrong with it
-            raise
-        if early:
-            self.fd(fidx)
+            return data
+
+        if self.check_in_flight(fidx):
+            data = self._then_checked(fidx, fetch)
+        else:
+            self.fd(fidx, (offset, n))
+            got = self._take_fetched(fidx, offset, n)
+            if got is not None:
+                return got
+            data = fetch()
         with self._lock:
             self._fetched_bytes += len(data)
             self.reads += 1
         return memoryview(data)
+
+    def _then_checked(self, fidx: int, request):
+        """``request()``'s result, once the check another thread runs on file ``fidx`` passed (a damaged file:
+        the check's error, which names what is wrong with it, rather than the request's)."""
+        try:
+            result = request()
+        except CheckpointError:
+            self.fd(fidx)
+            raise
+        self.fd(fidx)
+        return result
+
+    def _take_fetched(self, fidx: int, offset: int, n: int) -> memoryview | None:
+        """The bytes of this read if they came with the file's check (counted as read), else None."""
+        with self._lock:
+            got = self._fetched.pop((fidx, offset, n), None)
+            if got is not None:
+                self._fetched_bytes += len(got)
+                self.reads += 1
+        return got
 
     def close(self) -> None:
         """Forget the checks and release the storage's handles."""

@@ -131,10 +131,8 @@ def torch_dcp_to_hyperdcp(src: str | os.PathLike, dst: str | os.PathLike, *, ove
                     _pwrite_all(ofd, mv, out_begin + done, path)
                     done += n
                     progress.update(n)
-                want = source.crc.get((name, i)) if check_crc else None
-                if want is not None and want != crc:
-                    raise CorruptionError(f"{spath}: the bytes of {name!r} chunk {i} do not match the CRC-32 torch "
-                                          "recorded for them; the data file is damaged")
+                if check_crc:
+                    _check_crc(source, name, i, crc, spath)
                 placed[(name, i)] = (out_fi, out_begin, "".join(digests))
 
             try:
@@ -209,10 +207,8 @@ def _upload(source: TorchDcpSource, by_file: dict[int, list[tuple[str, int]]], d
             finally:
                 os.close(sfd)
             for (name, i), s in zip(chunks, starts):
-                want = source.crc.get((name, i)) if check_crc else None
-                if want is not None and want != crcs[(name, i)]:
-                    raise CorruptionError(f"{spath}: the bytes of {name!r} chunk {i} do not match the CRC-32 torch "
-                                          "recorded for them; the data file is damaged")
+                if check_crc:
+                    _check_crc(source, name, i, crcs[(name, i)], spath)
                 placed[(name, i)] = (k, len(header) + s, "".join(digests[(name, i)]))
             out_files.append(FileMeta(out_name, total))
         tensors = {name: _out_tensor(name, t, placed) for name, t in meta.tensors.items()}
@@ -239,6 +235,14 @@ def _file_layout(meta: Metadata, chunks: list[tuple[str, int]]) -> tuple[bytes, 
                                   box.lengths, SimpleNamespace(size=_nbytes(t, i))))
     header, starts = build_header(stubs)
     return header, starts, len(header) + sum(s.data.size for s in stubs)
+
+
+def _check_crc(source: TorchDcpSource, name: str, i: int, crc: int, spath: str) -> None:
+    """Chunk ``i`` of ``name`` against the CRC-32 torch's zip writer recorded (when it covers the chunk)."""
+    want = source.crc.get((name, i))
+    if want is not None and want != crc:
+        raise CorruptionError(f"{spath}: the bytes of {name!r} chunk {i} do not match the CRC-32 torch "
+                              "recorded for them; the data file is damaged")
 
 
 def _nbytes(t: TensorMeta, i: int) -> int:
