@@ -62,6 +62,12 @@ def _cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _minflt(pid: int) -> int:
+    """Minor page faults of process ``pid`` so far (first touches of fresh memory among them)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[7])
+
+
 def _kind(method: str, path: str) -> str:
     """A request's kind for the timeline: GET-range, PUT-part, POST-create, ..."""
     q = path.partition("?")[2]
@@ -141,7 +147,7 @@ def _rank(rank, world, args, endpoint, pids=()):
         dist.barrier()
         before = _stats(endpoint) if rank == 0 else None
         cpu0 = [_cpu(p) for p in pids] if rank == 0 else []
-        my0 = _cpu(os.getpid())
+        my0, flt0 = _cpu(os.getpid()), _minflt(os.getpid())
         if rank == 0 and args.profile:
             _proxy_log(endpoint)  # clear it
         peak_ok = base._reset_peak()
@@ -159,12 +165,13 @@ def _rank(rank, world, args, endpoint, pids=()):
         if prof is not None:
             prof.disable()
         t_done = time.perf_counter() - t0
-        my_cpu = _cpu(os.getpid()) - my0
+        my_cpu, my_flt = _cpu(os.getpid()) - my0, _minflt(os.getpid()) - flt0
         dist.barrier()
         wall = time.perf_counter() - t0
         peak = (base._status_kib("VmHWM") - rss0) * 1024 if peak_ok else -1
         server = _diff(before, _stats(endpoint)) if rank == 0 else None
         results[key] = {"wall": wall, "peak_extra": peak, "server": server, "done": t_done, "cpu": my_cpu,
+                        "minflt": my_flt,
                         "cpu_others": [_cpu(p) - c for p, c in zip(pids, cpu0)]}
         if args.profile:
             tag = f"{key[0].replace(' ', '_')}-{key[1]}"
@@ -289,10 +296,9 @@ def main() -> None:
             peak = max(r["peak_extra"] for r in rows) / 2**20
             print(f"{key[0]:<22}{key[1]:<10}{wall:>8.2f}{unique / wall / 1e6:>8.1f}{srv['up'] / unique:>10.3f}"
                   f"{srv['down'] / unique:>12.3f}{srv['requests']:>9d}{peak:>21.0f}")
-            if args.profile:
-                moto, px = rows[0]["cpu_others"]
-                print(f"    CPU s: ranks {sum(r['cpu'] for r in rows):.2f} (max {max(r['cpu'] for r in rows):.2f}), "
-                      f"moto {moto:.2f}, proxy {px:.2f}")
+            moto, px = rows[0]["cpu_others"]
+            print(f"    CPU s: ranks {sum(r['cpu'] for r in rows):.2f} (max {max(r['cpu'] for r in rows):.2f}), "
+                  f"moto {moto:.2f}, proxy {px:.2f}; ranks' minor page faults {sum(r['minflt'] for r in rows)}")
             if rows[0].get("timeline"):
                 done = sorted(r["done"] for r in rows)
                 print(f"    ranks returned after {done[0]:.2f}..{done[-1]:.2f} s\n" + rows[0]["timeline"])

@@ -77,6 +77,36 @@ def test_a_file_that_fits_the_upload_window_goes_up_in_one_put(s3):
     assert s3.boto().list_multipart_uploads(Bucket=s3.bucket).get("Uploads") is None
 
 
+def test_borrowed_pieces_go_up_from_the_callers_buffers_and_copies_from_their_own(s3):
+    """``write_borrowed`` keeps a view of the caller's buffer until ``close`` (a save's staged chunks go up
+    from where they are, no joined copy of the file); ``write`` copies. The object is the pieces in order,
+    through one PUT and through a multipart upload whose 5 MiB parts cut across pieces."""
+    rng = np.random.default_rng(5)
+    for name, single in (("one-put", None), ("multipart", 0)):
+        opts = {"part_bytes": 5 * MiB, **({} if single is None else {"single_put_bytes": single})}
+        st = ObjectStorage(f"s3://{s3.bucket}/{name}", opts)
+        borrowed = rng.integers(0, 255, 7 * MiB, dtype=np.uint8)
+        copied = rng.integers(0, 255, 3 * MiB + 11, dtype=np.uint8)
+        tiny = np.arange(100, dtype=np.uint8)  # under SMALL_PIECE: copied even when borrowed
+        with st.begin_in_place(0).create("r00000-00.safetensors") as w:
+            w.write(b"hdr")
+            w.write_borrowed(borrowed)
+            w.write(copied)
+            w.write_borrowed(tiny)
+            w.write_borrowed(borrowed[:MiB])
+            if single is None:  # nothing sent before close: what goes up is the borrowed buffer as it is then
+                np.invert(borrowed, out=borrowed)
+            want = b"hdr" + borrowed.tobytes() + copied.tobytes() + tiny.tobytes() + borrowed[:MiB].tobytes()
+            copied[:] = 0  # written by copy: the upload is unchanged
+            tiny[:] = 0
+        got = s3.boto().get_object(Bucket=s3.bucket, Key=f"{name}/r00000-00.safetensors")["Body"].read()
+        assert got == want, name
+        etag = s3.boto().head_object(Bucket=s3.bucket, Key=f"{name}/r00000-00.safetensors")["ETag"].strip('"')
+        assert etag.endswith("-2") if single == 0 else "-" not in etag, (name, etag)  # 11 MiB: 5 + 6 MiB
+        st.close()
+    assert s3.boto().list_multipart_uploads(Bucket=s3.bucket).get("Uploads") is None
+
+
 @pytest.mark.parametrize("fmt", ["v1", "v2"])
 def test_existing_checkpoint_is_refused_and_overwrite_replaces_it_cleanly(s3, fmt, monkeypatch):
     if fmt == "v2":  # a binary chunk index beside the record (format 2): replaced like the data objects

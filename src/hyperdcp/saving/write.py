@@ -41,11 +41,11 @@ def write_data_file(files: SaveFiles, name: str, chunks: Sequence[ChunkToWrite],
     header, starts = build_header(chunks)
     sums = []
     with files.create(name, "data file") as w:
-        w.write(header)
+        w.write_borrowed(header)
         for c in chunks:
             mv = memoryview(c.data).cast("B")
             sums.append(block_digests(mv, block_bytes))
-            w.write(mv)
+            w.write_borrowed(mv)  # the staged chunks stay as they are until this file is closed
     h = len(header)
     begin = [h + s for s in starts]
     end = [b + c.data.size for b, c in zip(begin, chunks)]

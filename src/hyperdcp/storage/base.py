@@ -48,6 +48,11 @@ class FileWriter(ABC):
     def write(self, data) -> None:
         """Append all of ``data`` (a bytes-like object)."""
 
+    def write_borrowed(self, data) -> None:
+        """Append all of ``data``, which the caller leaves unchanged until :meth:`close` returns: a writer may
+        keep a view of it instead of a copy (an object store sends it from there). Default: :meth:`write`."""
+        self.write(data)
+
     @abstractmethod
     def close(self) -> None:
         """Finish the file; it is durable (fsynced, uploaded) when this returns."""

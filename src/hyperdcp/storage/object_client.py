@@ -27,6 +27,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import StorageError
+from .body import Body
 from .retry import code_of, status_of
 
 #: the longest one request may take (s3fs client), waiting for a connection included: with
@@ -70,8 +71,9 @@ class ObjectClient(ABC):
         return self.get_range(key, start, end), None
 
     @abstractmethod
-    def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
-        """One PUT (atomic); ObjectExists when ``if_none_match`` and the key exists."""
+    def put(self, key: str, data: bytes | Body, *, if_none_match: bool = False) -> None:
+        """One PUT (atomic) of ``data`` (bytes-like, or a :class:`~.body.Body` of several buffers); ObjectExists
+        when ``if_none_match`` and the key exists."""
 
     @abstractmethod
     def list(self, prefix: str, delimiter: str = "") -> tuple[list[tuple[str, int]], list[str]]:
@@ -84,7 +86,7 @@ class ObjectClient(ABC):
     def create_multipart(self, key: str) -> str:
         raise NotImplementedError
 
-    def upload_part(self, key: str, upload_id: str, number: int, data: bytes) -> str:
+    def upload_part(self, key: str, upload_id: str, number: int, data: bytes | Body) -> str:
         raise NotImplementedError
 
     def complete_multipart(self, key: str, upload_id: str, parts: list[tuple[int, str]]) -> None:
@@ -100,6 +102,13 @@ class ObjectClient(ABC):
     def open_stream(self, key: str, part_bytes: int, concurrency: int) -> Any:
         """A writer (``write``, ``close``) for clients without explicit multipart requests."""
         raise NotImplementedError
+
+
+def _body(data: bytes | Body) -> Any:
+    """What botocore sends: a fresh reader of a Body (each attempt starts at its first byte), else bytes."""
+    if isinstance(data, Body):
+        return data.open()
+    return data if isinstance(data, (bytes, bytearray)) else bytes(data)
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -124,7 +133,9 @@ class S3fsClient(ObjectClient):
             raise StorageError("saving to or loading from s3:// needs s3fs; pip install hyperdcp[s3]") from None
         opts = dict(options)
         ck = dict(opts.pop("config_kwargs", {}) or {})
-        ck.setdefault("retries", {"max_attempts": 1, "mode": "standard"})  # hyperdcp's RetryPolicy retries
+        # one attempt per call: hyperdcp's RetryPolicy retries, with a fresh body each time (botocore's
+        # "max_attempts" counts retries, not attempts, so it would add one of its own to each of ours)
+        ck.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
         ck.setdefault("max_pool_connections", 64)
         self.bucket = bucket
         #: seconds one request may take in all (waiting for a pooled connection included, which aiobotocore
@@ -187,10 +198,10 @@ class S3fsClient(ObjectClient):
                 raise ObjectMissing(key) from None
             raise
 
-    def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
+    def put(self, key: str, data: bytes | Body, *, if_none_match: bool = False) -> None:
         kw = {"IfNoneMatch": "*"} if if_none_match else {}
         try:
-            self._run(self._s3.put_object(Bucket=self.bucket, Key=key, Body=bytes(data), **kw))
+            self._run(self._s3.put_object(Bucket=self.bucket, Key=key, Body=_body(data), **kw))
         except Exception as e:  # noqa: BLE001
             if status_of(e) == 412 or code_of(e) == "PreconditionFailed":
                 raise ObjectExists(key) from None
@@ -220,9 +231,9 @@ class S3fsClient(ObjectClient):
     def create_multipart(self, key: str) -> str:
         return self._run(self._s3.create_multipart_upload(Bucket=self.bucket, Key=key))["UploadId"]
 
-    def upload_part(self, key: str, upload_id: str, number: int, data: bytes) -> str:
+    def upload_part(self, key: str, upload_id: str, number: int, data: bytes | Body) -> str:
         resp = self._run(self._s3.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
-                                              Body=data))
+                                              Body=_body(data)))
         return resp["ETag"]
 
     def complete_multipart(self, key: str, upload_id: str, parts: list[tuple[int, str]]) -> None:
@@ -289,11 +300,12 @@ class ObstoreClient(ObjectClient):
         except FileNotFoundError:
             raise ObjectMissing(key) from None
 
-    def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
+    def put(self, key: str, data: bytes | Body, *, if_none_match: bool = False) -> None:
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
         try:
-            self._ob.put(self.store, key, bytes(data), mode="create" if if_none_match else "overwrite",
+            payload = data.tobytes() if isinstance(data, Body) else bytes(data)
+            self._ob.put(self.store, key, payload, mode="create" if if_none_match else "overwrite",
                          use_multipart=False)
         except (AlreadyExistsError, PreconditionError):
             raise ObjectExists(key) from None

@@ -9,9 +9,10 @@ iff its record is there and valid, so a reader sees the old checkpoint or the ne
 a save killed at any point leaves nothing that lists or loads.
 
 An object of at most ``single_put_bytes`` goes up as one PUT; larger ones are multipart uploads whose parts
-(``part_bytes``) go up ``concurrency`` at a time, so a writer holds at most about
-``max(single_put_bytes, (concurrency + 1) * part_bytes + MIN_PART) + part_bytes`` bytes; an upload that
-fails is aborted. Reads
+(``part_bytes``) go up ``concurrency`` at a time; an upload that fails is aborted. What a writer is given
+with ``write_borrowed`` (a save's staged chunks) is sent from the caller's buffers (:class:`~.body.Body`),
+with no copy; what it is given with ``write`` it copies, at most about
+``max(single_put_bytes, (concurrency + 1) * part_bytes + MIN_PART) + part_bytes`` bytes at a time. Reads
 are ranged GETs of at most ``max_request_bytes``, issued in parallel. Every request is retried by
 :class:`~.retry.RetryPolicy` (throttling, 5xx, resets) within a bounded total time.
 """
@@ -23,6 +24,7 @@ import os
 import re
 import secrets
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -33,6 +35,7 @@ from ..format.metadata import METADATA_FILE
 from ..format.record_v2 import index_file_name, is_index_file
 from ..format.safetensors import save_token
 from .base import FileWriter, SaveFiles, SaveStaging, Storage
+from .body import Body
 from .object_client import ObjectClient, ObjectExists, ObjectMissing, make_client, split_url
 from .retry import RetryPolicy, code_of
 from .urls import url_join
@@ -45,6 +48,8 @@ CONCURRENCY = 4
 #: file just over a multiple of ``part_bytes`` (a header) needs no tiny extra part
 MIN_PART = 5 << 20
 #: files this save wrote or a replaced save left: deleted by abort / after a commit (never foreign files)
+#: a borrowed piece smaller than this is copied anyway (many tiny tensors: one buffer, not a piece each)
+SMALL_PIECE = 64 << 10
 _OWNED = re.compile(r"^r\d{5}-(?:[0-9a-f]{12}-)?\d{2,}\.safetensors$")
 
 
@@ -57,13 +62,19 @@ def _wrap(action: str, url: str, e: BaseException) -> StorageError:
 
 
 class _Upload(FileWriter):
-    """One object being written: one PUT up to ``single_put_bytes``, else a parallel multipart upload."""
+    """One object being written: one PUT up to ``single_put_bytes``, else a parallel multipart upload.
+
+    What is written waits in ``_pieces`` until it is sent: copies of what :meth:`write` got (and of small
+    borrowed pieces), views of what :meth:`write_borrowed` got. A request's body is a :class:`~.body.Body`
+    of those pieces, never one joined buffer."""
 
     def __init__(self, files: "ObjectFiles", name: str, what: str):
         st = files.storage
         self.storage, self.name, self.what = st, name, what
         self.key, self.url = st.key(name), st.path(name)
-        self._buf = bytearray()
+        self._pieces: deque = deque()  # memoryviews (borrowed, or of a copy being sent) and bytearrays (copies)
+        self._tail: bytearray | None = None  # the last piece, while copies are still appended to it
+        self._pending = 0  # bytes in _pieces
         self._parts: list[Future] = []
         self._upload_id: str | None = None
         self._stream: Any = None
@@ -75,32 +86,65 @@ class _Upload(FileWriter):
         return self.storage.call(fn, f"{action} {self.what} {self.url}")
 
     def write(self, data) -> None:
+        self._append(memoryview(data).cast("B"), copy=True)
+
+    def write_borrowed(self, data) -> None:
         mv = memoryview(data).cast("B")
+        self._append(mv, copy=len(mv) < SMALL_PIECE)
+
+    def _started(self) -> bool:
+        return self._upload_id is not None or self._stream is not None
+
+    def _append(self, mv: memoryview, copy: bool) -> None:
         self._size += len(mv)
         pb, single = self.storage.part_bytes, self.storage.single_put_bytes
         while len(mv):
-            started = self._upload_id is not None or self._stream is not None
-            cap = pb + MIN_PART if started else single + 1  # a file of at most ``single`` bytes: one PUT at close
-            take = min(cap - len(self._buf), len(mv))
-            self._buf += mv[:take]
+            # copies are taken a part at a time, so at most about a part's bytes are copied and unsent
+            cap = pb + MIN_PART if self._started() else single + 1  # a file of at most ``single``: one PUT
+            take = min(cap - self._pending, len(mv)) if copy else len(mv)
+            if not copy:
+                self._pieces.append(mv[:take])
+                self._tail = None  # later copies go after this piece
+            else:
+                if self._tail is None:
+                    self._tail = bytearray()
+                    self._pieces.append(self._tail)
+                self._tail += mv[:take]
+            self._pending += take
             mv = mv[take:]
-            if started and len(self._buf) >= pb + MIN_PART:
-                self._send_part(pb)
-            elif not started and len(self._buf) > single:  # too big for one PUT: a multipart upload from here
-                while len(self._buf) >= pb + MIN_PART:
+            if self._started() or self._pending > single:  # too big for one PUT: a multipart upload from here
+                while self._pending >= pb + MIN_PART:
                     self._send_part(pb)
 
+    def _take(self, n: int) -> Body:
+        """The first ``n`` pending bytes, out of ``_pieces``: views of them, but for the rest of a split copy."""
+        out, got = [], 0
+        while got < n:
+            p = self._pieces[0]
+            mv = memoryview(p)
+            k = min(len(mv), n - got)
+            out.append(mv[:k])
+            if k == len(mv):
+                self._pieces.popleft()
+            elif p is self._tail:  # its rest becomes a new copy (a few MiB), so a sent part holds no unsent bytes
+                self._tail = self._pieces[0] = bytearray(mv[k:])
+            else:
+                self._pieces[0] = mv[k:]
+            if p is self._tail and k == len(mv):
+                self._tail = None  # views of it are being sent: it must not grow (nor move) any more
+            got += k
+        self._pending -= n
+        return Body(out)
+
     def _send_part(self, n: int | None = None) -> None:
-        """Send the first ``n`` buffered bytes (all by default) as the next part."""
+        """Send the first ``n`` pending bytes (all by default) as the next part."""
         st, client = self.storage, self.storage.client
-        n = len(self._buf) if n is None else n
-        data = bytes(memoryview(self._buf)[:n])
-        del self._buf[:n]
+        body = self._take(self._pending if n is None else n)
         if not client.explicit_multipart:
             if self._stream is None:
                 self._stream = client.open_stream(self.key, st.part_bytes, st.concurrency)
             try:
-                self._stream.write(data)
+                self._stream.write(body.tobytes())
             except Exception as e:  # noqa: BLE001
                 raise _wrap(f"uploading {self.what}", self.url, e) from e
             return
@@ -113,7 +157,7 @@ class _Upload(FileWriter):
                 raise f.exception()  # type: ignore[misc]
         n, uid = len(self._parts) + 1, self._upload_id
         self._parts.append(st.pool.submit(
-            lambda: (n, self._call(lambda: client.upload_part(self.key, uid, n, data), f"uploading part {n} of"))))
+            lambda: (n, self._call(lambda: client.upload_part(self.key, uid, n, body), f"uploading part {n} of"))))
 
     def close(self) -> None:
         if self._done:
@@ -121,16 +165,16 @@ class _Upload(FileWriter):
         client = self.storage.client
         try:
             if self._stream is not None:
-                if self._buf:
-                    self._stream.write(bytes(self._buf))
+                if self._pending:
+                    self._stream.write(self._take(self._pending).tobytes())
                 self._stream.close()
-            elif self._upload_id is None and len(self._buf) <= self.storage.single_put_bytes:
-                data = bytes(self._buf)
-                self._call(lambda: client.put(self.key, data), "uploading")
+            elif self._upload_id is None and self._pending <= self.storage.single_put_bytes:
+                body = self._take(self._pending)
+                self._call(lambda: client.put(self.key, body), "uploading")
             else:
-                while len(self._buf) > self.storage.part_bytes + MIN_PART:  # the last part: up to part + MIN_PART
+                while self._pending > self.storage.part_bytes + MIN_PART:  # the last part: up to part + MIN_PART
                     self._send_part(self.storage.part_bytes)
-                if self._buf:
+                if self._pending:
                     self._send_part()
                 parts = [f.result() for f in self._parts]
                 try:
@@ -142,7 +186,7 @@ class _Upload(FileWriter):
         except BaseException as e:
             self.discard()
             raise _wrap(f"uploading {self.what}", self.url, e) from e
-        self._done, self._buf, self._parts = True, bytearray(), []
+        self._done, self._pieces, self._tail, self._pending, self._parts = True, deque(), None, 0, []
 
     def discard(self) -> None:
         if self._done:
@@ -159,7 +203,7 @@ class _Upload(FileWriter):
                 self._call(lambda: client.abort_multipart(self.key, uid), "aborting the upload of")
             except Exception:  # noqa: BLE001 - never raises; the commit never lists it anyway
                 pass
-        self._buf, self._parts, self._stream = bytearray(), [], None
+        self._pieces, self._tail, self._pending, self._parts, self._stream = deque(), None, 0, [], None
 
 
 class ObjectFiles(SaveFiles):
