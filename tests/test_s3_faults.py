@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import hyperdcp
+from hyperdcp.coordination.local import LocalCoordinator
 from tests.faults.http_proxy import KINDS, FaultProxy
 
 MiB = 1 << 20
@@ -106,3 +107,23 @@ def test_a_request_the_server_never_answers_fails_the_save_within_a_bounded_time
     assert s3.boto().list_multipart_uploads(Bucket=s3.bucket).get("Uploads") is None  # aborted
     assert hyperdcp.list_checkpoints(root) == [f"{root}/step-1"]
     _check(f"{root}/step-1", 1)
+
+
+class _PeerLostAfterCommit(LocalCoordinator):
+    """One process whose commit broadcast fails, as when a peer dies after sending its results."""
+
+    def broadcast(self, data, src=0):
+        raise hyperdcp.CoordinationError("rank 1 is gone (simulated)")
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_a_rank_lost_after_the_commit_leaves_the_checkpoint_complete(s3, tmp_path, where):
+    """The committer wrote the record, then telling the other ranks failed: the save raises on the committer,
+    but the checkpoint stays complete (its files are not aborted away under a listed record)."""
+    root = f"s3://{s3.bucket}/run" if where == "s3" else str(tmp_path / "run")
+    with pytest.raises(hyperdcp.CoordinationError, match="rank 1 is gone") as info:
+        hyperdcp.save(_state(4), f"{root}/step-4", coordinator=_PeerLostAfterCommit())
+    assert any("committed before this error" in n for n in getattr(info.value, "__notes__", []))
+    assert hyperdcp.list_checkpoints(root) == [f"{root}/step-4"]
+    _check(f"{root}/step-4", 4)
+    assert hyperdcp.verify_checkpoint(f"{root}/step-4").ok

@@ -105,6 +105,7 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
     W, rank = coord.world_size, coord.rank
     storage = storage if storage is not None else storage_for(path, opts.storage_options)
     staging: SaveStaging | None = None
+    committed = False  # whether this rank wrote the commit record (never abort after it)
 
     content = b""
 
@@ -190,7 +191,7 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
         meta: Metadata | None = None
 
         def commit() -> bytes:
-            nonlocal meta
+            nonlocal meta, committed
             bad = [r for r, m in enumerate(results) if m[:1] != b"\x00"]
             if bad:
                 unpack_status(results[bad[0]], coord, f"writing data files of {path!r}", bad[0])
@@ -201,13 +202,19 @@ def persist(coord: Coordinator, staged: StagedState | BaseException, path: str, 
                 with staging.create(index_name, "chunk index") as w:
                     w.write(index)
             staging.commit(record)
+            committed = True
             return b""
 
         broadcast_checked(coord, f"committing {path!r}", commit if rank == 0 else None, 0, local=wexc)
         if wexc is not None:
             raise wexc
-    except BaseException:
-        if staging is not None:
+    except BaseException as e:
+        if committed:  # the record is in place: the checkpoint is complete, and its files must stay
+            note = getattr(e, "add_note", None)  # Python 3.11+
+            if note is not None:
+                note(f"The checkpoint {path!r} was committed before this error and is complete; a rank that "
+                     "failed after the commit did not hear of it.")
+        elif staging is not None:
             staging.abort()
         raise
     finally:
