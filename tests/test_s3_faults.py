@@ -127,3 +127,18 @@ def test_a_rank_lost_after_the_commit_leaves_the_checkpoint_complete(s3, tmp_pat
     assert hyperdcp.list_checkpoints(root) == [f"{root}/step-4"]
     _check(f"{root}/step-4", 4)
     assert hyperdcp.verify_checkpoint(f"{root}/step-4").ok
+
+
+def test_a_commit_record_that_landed_unanswered_keeps_its_checkpoint(s3, proxy, monkeypatch):
+    """Every answer to the record's PUT is lost (the record landed on the first attempt; the retries meet the
+    412 of a conditional put, and lose that too): the save fails, but its objects are not deleted under the
+    record that is in place, so the checkpoint is listed and loads."""
+    monkeypatch.setenv("HYPERDCP_S3_RETRIES", "2")
+    root = f"s3://{s3.bucket}/run"
+    proxy.match = lambda method, path: method == "PUT" and path.split("?")[0].endswith("/hyperdcp.json")
+    proxy.kinds, proxy.fault_rate = ("reset_after",), 1.0
+    with pytest.raises(hyperdcp.StorageError, match="commit record"):
+        hyperdcp.save(_state(5), f"{root}/step-5")
+    proxy.fault_rate = 0.0
+    assert hyperdcp.list_checkpoints(root) == [f"{root}/step-5"]
+    _check(f"{root}/step-5", 5)

@@ -106,7 +106,7 @@ class _Upload(FileWriter):
                 self._pieces.append(mv[:take])
                 self._tail = None  # later copies go after this piece
             else:
-                if self._tail is None:
+                if self._tail is None or len(self._tail) >= pb:  # copies in buffers of about a part each
                     self._tail = bytearray()
                     self._pieces.append(self._tail)
                 self._tail += mv[:take]
@@ -117,7 +117,7 @@ class _Upload(FileWriter):
                     self._send_part(pb)
 
     def _take(self, n: int) -> Body:
-        """The first ``n`` pending bytes, out of ``_pieces``: views of them, but for the rest of a split copy."""
+        """The first ``n`` pending bytes, out of ``_pieces``, as views (a piece split at ``n`` stays as its rest)."""
         out, got = [], 0
         while got < n:
             p = self._pieces[0]
@@ -126,11 +126,9 @@ class _Upload(FileWriter):
             out.append(mv[:k])
             if k == len(mv):
                 self._pieces.popleft()
-            elif p is self._tail:  # its rest becomes a new copy (a few MiB), so a sent part holds no unsent bytes
-                self._tail = self._pieces[0] = bytearray(mv[k:])
             else:
                 self._pieces[0] = mv[k:]
-            if p is self._tail and k == len(mv):
+            if p is self._tail:
                 self._tail = None  # views of it are being sent: it must not grow (nor move) any more
             got += k
         self._pending -= n
@@ -237,17 +235,20 @@ class ObjectStaging(ObjectFiles, SaveStaging):
         self.token = save_token(location.rstrip("/").rsplit("/", 1)[-1])
         #: the names under the prefix when the save began: the replaced save's and interrupted saves' objects
         self.present: list[str] = []
+        self._record: bytes | None = None  # the record commit() tried to put
 
     def commit(self, record: bytes) -> None:
         st, rec = self.storage, bytes(record)
         where = st.path(METADATA_FILE)
         conditional = not self.overwrite and st.client.conditional_put
+        self._record = rec  # from here on a failed commit may still have put the record: abort() looks first
         try:
             st.call(lambda: st.client.put(st.key(METADATA_FILE), rec, if_none_match=conditional),
                     f"writing the commit record {where}")
         except ObjectExists:
             # a retried PUT whose first attempt landed sees its own record; anything else is another save's
             if st.call(lambda: st.client.get(st.key(METADATA_FILE)), f"reading {where}") != rec:
+                self._record = None
                 raise CheckpointExistsError(
                     f"a checkpoint was committed at {st.url!r} by another save while this one was writing; this save "
                     "is discarded; pass overwrite=True to replace it, or save to a new path") from None
@@ -260,11 +261,24 @@ class ObjectStaging(ObjectFiles, SaveStaging):
 
     def abort(self) -> None:
         st, token = self.storage, self.token
+        if self._record is not None and self._record_may_be_in_place():
+            return  # this save may be committed: its objects stay (a later save's commit sweeps strays)
         try:
             st.delete_owned(lambda n: f"-{token}-" in n or n == index_file_name(token))
             self._abort_uploads()
         except Exception:  # noqa: BLE001 - never raises: nothing of this save is listed without its record
             pass
+
+    def _record_may_be_in_place(self) -> bool:
+        """Whether the record this save tried to put is the one at the location (or that cannot be told)."""
+        st = self.storage
+        try:
+            return st.call(lambda: st.client.get(st.key(METADATA_FILE)), f"reading {st.path(METADATA_FILE)}") == \
+                self._record
+        except ObjectMissing:
+            return False
+        except Exception:  # noqa: BLE001 - the store does not answer: keeping the objects is the safe side
+            return True
 
     def _abort_uploads(self) -> None:
         """Abort the unfinished multipart uploads of this save's objects (writers that died or lost an answer)."""
