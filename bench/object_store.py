@@ -55,17 +55,21 @@ def _proxy_log(endpoint: str) -> list:
     return json.loads(urllib.request.urlopen(endpoint + LOG_PATH, timeout=10).read())
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()
+
+
 def _cpu(pid: int) -> float:
     """CPU seconds (user + system, all threads) of process ``pid`` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
+    fields = _stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _minflt(pid: int) -> int:
     """Minor page faults of process ``pid`` so far (first touches of fresh memory among them)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rpartition(")")[2].split()[7])
+    return int(_stat(pid)[7])
 
 
 def _kind(method: str, path: str) -> str:

@@ -47,9 +47,9 @@ CONCURRENCY = 4
 #: S3's smallest part but the last: a part is sent once this much more than ``part_bytes`` is buffered, so a
 #: file just over a multiple of ``part_bytes`` (a header) needs no tiny extra part
 MIN_PART = 5 << 20
-#: files this save wrote or a replaced save left: deleted by abort / after a commit (never foreign files)
 #: a borrowed piece smaller than this is copied anyway (many tiny tensors: one buffer, not a piece each)
 SMALL_PIECE = 64 << 10
+#: files this save wrote or a replaced save left: deleted by abort / after a commit (never foreign files)
 _OWNED = re.compile(r"^r\d{5}-(?:[0-9a-f]{12}-)?\d{2,}\.safetensors$")
 
 
