@@ -341,7 +341,7 @@ def _four_tensor_file(s3, name: str):
 
 
 class _HeldCheck(ObjectStorage):
-    """An S3 location whose file checks (``probe``) start, then wait until another request went out."""
+    """An S3 location whose file checks (``probe_into``) start, then wait until another request went out."""
 
     def __init__(self, url: str):
         import threading
@@ -349,15 +349,15 @@ class _HeldCheck(ObjectStorage):
         super().__init__(url)
         self.checking, self.other_request = threading.Event(), threading.Event()
 
-    def probe(self, name, n, what="file"):
+    def probe_into(self, name, out, what="file"):
         self.checking.set()
         assert self.other_request.wait(20), "no other request went out while the check was in flight"
-        return super().probe(name, n, what)
+        return super().probe_into(name, out, what)
 
-    def fetch(self, name, offset, n):
-        data = super().fetch(name, offset, n)
+    def fetch_into(self, name, offset, out):
+        got = super().fetch_into(name, offset, out)
         self.other_request.set()
-        return data
+        return got
 
 
 def test_a_run_is_requested_while_another_thread_checks_its_file_and_handed_over_once_checked(s3):
@@ -455,6 +455,81 @@ def test_four_threads_reading_two_runs_at_once_request_each_byte_once(s3):
         assert files.requests == (2 if folded else 3), trial
         assert files.bytes_read == sum(n for _, _, n in spans), trial
         files.close()
+
+
+class _Targets(ObjectStorage):
+    """An S3 location that records where every streamed GET wrote (the start address of each target)."""
+
+    def __init__(self, url: str):
+        super().__init__(url)
+        self.targets: list[int] = []
+
+    def _note(self, out) -> None:
+        for v in out if isinstance(out, list) else [out]:
+            self.targets.append(np.frombuffer(memoryview(v).cast("B"), np.uint8).ctypes.data)
+
+    def probe_into(self, name, out, what="file"):
+        self._note(out)
+        return super().probe_into(name, out, what)
+
+    def fetch_into(self, name, offset, out):
+        self._note(out)
+        return super().fetch_into(name, offset, out)
+
+
+@pytest.mark.parametrize("order", ["file order", "reversed"])
+def test_runs_whose_buffers_lie_back_to_back_are_streamed_straight_into_them(s3, monkeypatch, order):
+    """When a batch's units sit in one target buffer in file order (read-once's shared-memory slots), each run's
+    GET, the first one with the file's check folded in, writes into the target itself: no run buffer and nothing
+    copied afterwards. Units laid out in another order fall back to a run buffer; the bytes are the same."""
+    from hyperdcp.core import buffers
+    from hyperdcp.loading import coalesced_reads
+    from hyperdcp.loading.coalesced_reads import CoalescedReads
+    from hyperdcp.sources.remote import RemoteFiles
+
+    url, meta, spans, arrays = _four_tensor_file(s3, f"inplace-{order[0]}")
+    storage = _Targets(url)
+    files = RemoteFiles(url, meta, storage=storage)
+    n = spans[0][2]
+    target = np.zeros(4 * n, np.uint8)
+    at = [i * n for i in range(4)] if order == "file order" else [(3 - i) * n for i in range(4)]
+    copies = []
+    monkeypatch.setattr(coalesced_reads, "copy_into", lambda *a: (copies.append(1), buffers.copy_into(*a)))
+    reads = CoalescedReads(files, spans, 2 * n, target, at)
+    for (f, off, k), a in zip(spans, at):
+        reads.fd(f, (off, k), target[a:a + k])
+        reads.read_into(f, off, target[a:a + k])
+    for (_, _, k), a, name in zip(spans, at, "abcd"):
+        assert target[a:a + k].view(np.float32).tolist() == arrays[name].tolist(), name
+    assert files.requests == 2 and files.bytes_read == 4 * n  # a+b with the check, then c+d; each byte once
+    lo, hi = target.ctypes.data, target.ctypes.data + target.nbytes
+    into_target = [lo <= t < hi for t in storage.targets]
+    if order == "file order":
+        assert copies == [] and into_target == [False, True, True]  # the header's bytes, then the two runs
+    else:
+        assert len(copies) == 4 and not any(into_target)
+    files.close()
+
+
+@pytest.mark.parametrize("client", ["s3fs", "obstore"])
+def test_a_streamed_get_fills_the_callers_buffers_in_order_and_stops_at_the_objects_end(s3, client):
+    """get_range_into writes a range into one buffer or across several, in order; at the object's end it
+    writes what there is and says so; past the end it writes nothing; a missing key is ObjectMissing."""
+    from hyperdcp.storage.object_client import ObjectMissing, make_client
+
+    data = np.random.default_rng(5).integers(0, 256, 1000, dtype=np.uint8).tobytes()
+    s3.boto().put_object(Bucket=s3.bucket, Key="obj", Body=data)
+    c = make_client(f"s3://{s3.bucket}/", {"client": client})
+    a, b = bytearray(300), np.zeros(200, np.uint8)
+    got, total = c.get_range_into("obj", 100, [a, b])
+    assert got == 500 and bytes(a) == data[100:400] and b.tobytes() == data[400:600]
+    assert total in (1000, None)
+    tail = bytearray(300)
+    got, _ = c.get_range_into("obj", 900, memoryview(tail))
+    assert got == 100 and bytes(tail[:100]) == data[900:] and bytes(tail[100:]) == bytes(200)
+    assert c.get_range_into("obj", 1000, bytearray(10))[0] == 0
+    with pytest.raises(ObjectMissing):
+        c.get_range_into("absent", 0, bytearray(10))
 
 
 def test_convert_hf_into_s3_then_inspect_diff_and_verify_the_format_2_checkpoint(s3, tmp_path, monkeypatch, capsys):

@@ -19,4 +19,11 @@ def copy_into(dst, src, offset: int = 0) -> None:
     np.copyto(d[offset : offset + s.size], s)
 
 
-__all__ = ["copy_into"]
+def same_memory(a, b) -> bool:
+    """Whether bytes-likes ``a`` and ``b`` are the very same bytes (same start, same length)."""
+    x = np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8)
+    y = np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8)
+    return x.size == y.size and (x.size == 0 or x.ctypes.data == y.ctypes.data)
+
+
+__all__ = ["copy_into", "same_memory"]

@@ -179,8 +179,14 @@ class _Exchange:
         bufs: dict[int, tuple[np.ndarray, ChunkRead]] = {}
         files = self.files
         if self.request_bytes and len(mine) > 1:  # object stores: adjacent units of a file in one request
+            slot, at = None, None
+            if self.shm is not None and self.own_map is not None and self.shm.slot[self.me]:
+                # units with a slot lie in it in file order: their runs are read straight into the slot
+                size = self.shm.slot[self.me]
+                slot = np.frombuffer(self.own_map, dtype=np.uint8, count=size, offset=(k % self.shm.nslots) * size)
+                at = [self.shm.offset.get(u.uid, -1) for u in mine]
             files = CoalescedReads(files, [(r.file, r.begin + r.lo, r.nbytes) for r in
-                                           (self._chunk_read(u, []) for u in mine)], self.request_bytes)
+                                           (self._chunk_read(u, []) for u in mine)], self.request_bytes, slot, at)
 
         def one(u: Unit) -> None:
             own = [self._piece(u, n) for n in u.needs if n.rank == self.me]

@@ -56,10 +56,10 @@ def read_chunk(files: DataFiles, meta: Metadata, read: ChunkRead, verify: bool, 
     """
     t = meta.tensors[read.fqn]
     what = f"tensor {read.fqn!r} chunk {t.chunks.box(read.chunk)}"
-    # size and header checked against the file before any buffer is sized from the metadata (a remote reader
-    # may fetch this first read with the check, in one request of at most its request size)
-    files.fd(read.file, (read.begin + read.lo, read.nbytes))
     direct = _direct_target(read, meta) if out is None and direct_ok and len(read.pieces) == 1 else None
+    # size and header checked against the file before any buffer is sized from the metadata (a remote reader
+    # may fetch this first read with the check, in one request of at most its request size, into its target)
+    files.fd(read.file, (read.begin + read.lo, read.nbytes), direct if direct is not None else out)
     buf = direct if direct is not None else out if out is not None else _buffer(read.nbytes, what)
     files.read_into(read.file, read.begin + read.lo, buf, what)
     if verify:

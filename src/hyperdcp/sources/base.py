@@ -78,10 +78,11 @@ class ChunkReader:
             st = self._link_dirs[parent] = LocalStorage(parent)
         return st, name
 
-    def fd(self, fidx: int, first: tuple[int, int] | None = None) -> int:
+    def fd(self, fidx: int, first: tuple[int, int] | None = None, into=None) -> int:
         """Check data file ``fidx`` once (it exists, is a regular file of the recorded size, and its header
         matches); returns ``fidx`` (the handle :meth:`read_into` takes). ``first``: the ``(offset, nbytes)``
-        about to be read, which a remote reader may fetch with the check in one request (ignored here)."""
+        about to be read, which a remote reader may fetch with the check in one request, into ``into`` (where
+        that read goes) when given (both ignored here)."""
         if fidx in self._where:
             return fidx
         with self._lock:

@@ -20,7 +20,9 @@ from __future__ import annotations
 import os
 import threading
 
-from ..core.buffers import copy_into
+import numpy as np
+
+from ..core.buffers import copy_into, same_memory
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptionError, IncompleteCheckpointError
 from ..format.metadata import METADATA_FILE, Metadata
 from ..storage.base import Storage
@@ -104,9 +106,10 @@ class RemoteFiles(DataFiles):
         """The URL of data file ``fidx`` (for messages)."""
         return url_join(self.url, self.meta.files[fidx].name)
 
-    def fd(self, fidx: int, first: tuple[int, int] | None = None) -> int:
+    def fd(self, fidx: int, first: tuple[int, int] | None = None, into=None) -> int:
         """Check data file ``fidx`` (once) and return a handle for it (``fidx`` itself); ``first``: the
-        ``(offset, nbytes)`` about to be read (see the class docstring)."""
+        ``(offset, nbytes)`` about to be read (see the class docstring); ``into``: where that read goes (a
+        writable bytes-like of ``nbytes``), so that bytes fetched with the check are streamed there."""
         if fidx in self._checked:
             return fidx
         with self._lock:
@@ -116,17 +119,21 @@ class RemoteFiles(DataFiles):
                 limit = int(getattr(self.storage, "max_request_bytes", 0) or 0)
                 fold = first is not None and first[1] > 0 and first[0] <= HEADER_PREFETCH and \
                     sum(first) <= limit + HEADER_PREFETCH and getattr(self.storage, "probe", None) is not None
+                dest = memoryview(into).cast("B") if fold and into is not None else None
+                if dest is not None and len(dest) != first[1]:  # type: ignore[index]
+                    dest = None
                 with self._lock:
                     self._checking.add(fidx)
                 try:
-                    head = self._check_file(fidx, sum(first) if fold else HEADER_PREFETCH)  # type: ignore[arg-type]
+                    head, got = self._check_file(fidx, sum(first) if fold else HEADER_PREFETCH,  # type: ignore[arg-type]
+                                                 dest)
                 finally:
                     with self._lock:
                         self._checking.discard(fidx)
-                if fold and len(head) >= sum(first):  # type: ignore[arg-type]
+                if fold and got >= sum(first):  # type: ignore[arg-type]
                     off, n = first  # type: ignore[misc]
-                    with self._lock:
-                        self._fetched[(fidx, off, n)] = memoryview(head)[off:off + n]  # a view: no copy
+                    with self._lock:  # a view (of ``into`` when given): no copy
+                        self._fetched[(fidx, off, n)] = dest if dest is not None else memoryview(head)[off:off + n]
                         self.header_bytes_read -= n  # data bytes, counted when read_into takes them
                 self._checked.add(fidx)
         return fidx
@@ -137,16 +144,27 @@ class RemoteFiles(DataFiles):
         with self._lock:
             return fidx in self._checking and fidx not in self._checked
 
-    def _check_file(self, fidx: int, prefetch: int = HEADER_PREFETCH) -> bytes:
-        """Check file ``fidx``; returns the first bytes fetched with the check (up to ``prefetch``)."""
+    def _check_file(self, fidx: int, prefetch: int = HEADER_PREFETCH,
+                    into: memoryview | None = None) -> tuple[bytes | memoryview, int]:
+        """Check file ``fidx``; returns (the first bytes fetched with the check, how many were fetched): up to
+        ``prefetch``, of which the last ``len(into)`` go to ``into`` when given (and are not in the first)."""
         url, name = self.path(fidx), self.meta.files[fidx].name
         probe = getattr(self.storage, "probe", None)  # object stores: header bytes and size in one request
-        first = b""
+        probe_into = getattr(self.storage, "probe_into", None)  # the same, streamed into a buffer of ours
+        first: bytes | memoryview = b""
+        got = 0
         try:
-            if probe is not None:
-                first, size = probe(name, prefetch, "data file")
+            if probe_into is not None:
+                buf = np.empty(prefetch - (len(into) if into is not None else 0), dtype=np.uint8)
+                got, size = probe_into(name, [buf, into] if into is not None else buf, "data file")
+                first = memoryview(buf)[:got]
                 with self._lock:
-                    self.header_bytes_read += len(first)
+                    self.header_bytes_read += got
+            elif probe is not None:
+                first, size = probe(name, prefetch, "data file")
+                got = len(first)
+                with self._lock:
+                    self.header_bytes_read += got
             else:
                 size = self.storage.size(name, "data file")
         except CheckpointNotFoundError:
@@ -159,14 +177,14 @@ class RemoteFiles(DataFiles):
         if getattr(self.meta, "has_checksums", True):
             def header(n: int, off: int) -> bytes:
                 if off + n <= len(first):
-                    return first[off:off + n]
+                    return bytes(first[off:off + n])
                 data = self.storage.fetch(name, off, n)
                 with self._lock:
                     self.header_bytes_read += len(data)
                 return data
 
             self._check_header(fidx, header, url)  # type: ignore[arg-type]
-        return first
+        return first, got
 
     def read_into(self, fidx: int, offset: int, out, what: str = "") -> None:
         """Fill ``out`` (a writable bytes-like) from ``offset`` with ranged requests; a short read is corruption.
@@ -177,26 +195,35 @@ class RemoteFiles(DataFiles):
         if self.check_in_flight(fidx):
             self._then_checked(fidx, lambda: self.storage.read_into(self.meta.files[fidx].name, offset, out, what))
         else:
-            self.fd(fidx, (offset, len(mv)))
+            self.fd(fidx, (offset, len(mv)), into=mv)
             got = self._take_fetched(fidx, offset, len(mv))
             if got is not None:
-                copy_into(mv, got)
+                if not same_memory(got, mv):  # (fetched with the check into ``out`` itself: nothing to copy)
+                    copy_into(mv, got)
                 return
             self.storage.read_into(self.meta.files[fidx].name, offset, out, what)
         with self._lock:
             self.reads += 1
 
     def read_bytes(self, fidx: int, offset: int, n: int, what: str = ""):
-        """Bytes [offset, offset + n) of data file ``fidx`` as a read-only buffer: the storage's own answer, not
-        copied into one of the caller's (:class:`~hyperdcp.loading.coalesced_reads.CoalescedReads` runs). One
-        request when ``n`` fits the storage's request size; otherwise a buffer filled by :meth:`read_into`."""
+        """Bytes [offset, offset + n) of data file ``fidx`` as a buffer of their own, for callers that would
+        otherwise allocate one to read into (:class:`~hyperdcp.loading.coalesced_reads.CoalescedReads` runs):
+        the answer streamed into it, or the bytes fetched with the file's check. One request when ``n`` fits
+        the storage's request size; otherwise a buffer filled by :meth:`read_into`."""
         if n > int(getattr(self.storage, "max_request_bytes", 0) or 0):
-            out = bytearray(n)
+            out = np.empty(n, dtype=np.uint8)
             self.read_into(fidx, offset, out, what)
             return memoryview(out)
 
-        def fetch() -> bytes:
-            data = self.storage.fetch(self.meta.files[fidx].name, offset, n)
+        fetch_into = getattr(self.storage, "fetch_into", None)
+
+        def fetch():
+            name = self.meta.files[fidx].name
+            if fetch_into is not None:  # streamed into a buffer of ours: no intermediate copy
+                buf = np.empty(n, dtype=np.uint8)
+                data = memoryview(buf)[:fetch_into(name, offset, buf)]
+            else:
+                data = self.storage.fetch(name, offset, n)
             if len(data) < n:
                 raise CorruptionError(
                     f"{self.path(fidx)}: unexpected end of file while reading {what} ({n} bytes from offset "

@@ -26,10 +26,14 @@ from abc import ABC, abstractmethod
 from datetime import timedelta
 from typing import Any
 
+from ..core.buffers import copy_into
 from ..errors import StorageError
 from .body import Body
 from .retry import code_of, status_of
 
+#: bytes a streamed GET hands over at a time (:meth:`S3fsClient.get_range_into`): small, so the client's
+#: buffers are reused memory and each copy into the caller's buffer is short
+STREAM_STEP = 256 << 10
 #: the longest one request may take (s3fs client), waiting for a connection included: with
 #: :class:`~.retry.RetryPolicy`'s total, every call is bounded by about ``total_seconds + REQUEST_SECONDS``
 #: (``HYPERDCP_S3_REQUEST_SECONDS`` when the client is made)
@@ -70,6 +74,26 @@ class ObjectClient(ABC):
         """:meth:`get_range` and the object's total size when the answer tells it (Content-Range), else None."""
         return self.get_range(key, start, end), None
 
+    def get_range_into(self, key: str, start: int, out: Any) -> tuple[int, int | None]:
+        """Bytes [start, start + n) into ``out``, a writable bytes-like or a list of them filled in order (n: their
+        total size): (bytes the answer holds, the object's total size or None). Fewer than n at the end of the
+        object; more when the store ignored the range (then ``out`` holds nothing meaningful). ObjectMissing
+        when absent.
+
+        This default copies :meth:`get_range_sized`'s answer; clients that can stream override it, so a
+        large read lands in ``out`` without an intermediate buffer of its size."""
+        views = targets(out)
+        data, total = self.get_range_sized(key, start, start + sum(len(v) for v in views))
+        if len(data) <= sum(len(v) for v in views):
+            at = 0
+            for v in views:
+                k = min(len(v), len(data) - at)
+                if k <= 0:
+                    break
+                copy_into(v[:k], memoryview(data)[at:at + k])
+                at += k
+        return len(data), total
+
     @abstractmethod
     def put(self, key: str, data: bytes | Body, *, if_none_match: bool = False) -> None:
         """One PUT (atomic) of ``data`` (bytes-like, or a :class:`~.body.Body` of several buffers); ObjectExists
@@ -102,6 +126,11 @@ class ObjectClient(ABC):
     def open_stream(self, key: str, part_bytes: int, concurrency: int) -> Any:
         """A writer (``write``, ``close``) for clients without explicit multipart requests."""
         raise NotImplementedError
+
+
+def targets(out: Any) -> list[memoryview]:
+    """``out`` (a writable bytes-like, or a list of them) as byte memoryviews, in order."""
+    return [memoryview(o).cast("B") for o in (out if isinstance(out, (list, tuple)) else [out])]
 
 
 def _body(data: bytes | Body) -> Any:
@@ -189,6 +218,45 @@ class S3fsClient(ObjectClient):
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         return self.get_range_sized(key, start, end)[0]
+
+    async def _get_into(self, key: str, start: int, views: list[memoryview]) -> tuple[int, int | None]:
+        size = sum(len(v) for v in views)
+        resp = await self._s3.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + size - 1}")
+        want = resp.get("ContentLength")
+        total = str(resp.get("ContentRange") or "").rpartition("/")[2]
+        total = int(total) if total.isdigit() else None
+        pos = 0
+        async with resp["Body"] as body:
+            if want is not None and int(want) > size:
+                return int(want), total  # the store ignored the range: the caller refuses it, unread
+            for v in views:
+                at = 0
+                while at < len(v):
+                    got = await body.readinto(v[at:at + STREAM_STEP])
+                    if not got:
+                        break
+                    at += got
+                pos += at
+                if at < len(v):
+                    break
+            if want is None and pos == size and await body.read(1):
+                return pos + 1, total  # more than asked for, without a Content-Length
+        if want is not None and pos != int(want):
+            raise ConnectionResetError(f"body cut short: {pos} of {want} bytes")  # retried
+        return pos, total
+
+    def get_range_into(self, key: str, start: int, out: Any) -> tuple[int, int | None]:
+        views = targets(out)
+        if not sum(len(v) for v in views):
+            return 0, None
+        try:
+            return self._run(self._get_into(key, start, views))
+        except Exception as e:  # noqa: BLE001
+            if self._missing(e):
+                raise ObjectMissing(key) from None
+            if status_of(e) == 416:  # the range starts past the end
+                return 0, None
+            raise
 
     def get(self, key: str) -> bytes:
         try:

@@ -28,7 +28,6 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from ..core.buffers import copy_into
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptionError, FormatError, StorageError
 from ..format import rank_files
 from ..format.metadata import METADATA_FILE
@@ -36,7 +35,7 @@ from ..format.record_v2 import index_file_name, is_index_file
 from ..format.safetensors import save_token
 from .base import FileWriter, SaveFiles, SaveStaging, Storage
 from .body import Body
-from .object_client import ObjectClient, ObjectExists, ObjectMissing, make_client, split_url
+from .object_client import ObjectClient, ObjectExists, ObjectMissing, make_client, split_url, targets
 from .retry import RetryPolicy, code_of
 from .urls import url_join
 
@@ -393,6 +392,24 @@ class ObjectStorage(Storage):
                                "ignores ranged requests (HTTP Range); use storage that honours them")
         return data
 
+    def fetch_into(self, name: str, offset: int, out) -> int:
+        """:meth:`fetch` streamed into ``out`` (a writable bytes-like): bytes written (fewer at the object's end)."""
+        mv = memoryview(out).cast("B")
+        n = len(mv)
+        if n == 0:
+            return 0
+        url = self.path(name)
+        try:
+            got, _ = self.call(lambda: self.client.get_range_into(self.key(name), offset, mv),
+                               f"reading bytes {offset}..{offset + n} of {url}")
+        except ObjectMissing:
+            raise CorruptionError(f"{url} is missing; the checkpoint is damaged; restore it or load another "
+                                  "checkpoint") from None
+        if got > n:
+            raise StorageError(f"reading bytes {offset}..{offset + n} of {url}: the store sent {got} bytes; it "
+                               "ignores ranged requests (HTTP Range); use storage that honours them")
+        return got
+
     def read_into(self, name: str, offset: int, out, what: str = "") -> None:
         mv = memoryview(out).cast("B")
         step = self.max_request_bytes
@@ -400,11 +417,10 @@ class ObjectStorage(Storage):
 
         def one(span: tuple[int, int]) -> int:
             s, n = span
-            data = self.fetch(name, offset + s, n)
-            copy_into(mv, data, s)  # (numpy's copy: the GIL is free for the other readers meanwhile)
+            got = self.fetch_into(name, offset + s, mv[s:s + n])  # streamed into place: no buffer of its own
             with self._lock:
-                self.bytes_read += len(data)
-            return len(data)
+                self.bytes_read += got
+            return got
 
         got = [one(spans[0])] if len(spans) == 1 else [f.result() for f in [self.pool.submit(one, s) for s in spans]]
         if any(g < n for g, (_, n) in zip(got, spans)):
@@ -426,6 +442,23 @@ class ObjectStorage(Storage):
         if size is None:  # an empty object (416), or a store without Content-Range
             size = self.size(name, what)
         return data[:n], size
+
+    def probe_into(self, name: str, out, what: str = "file") -> tuple[int, int]:
+        """:meth:`probe` streamed into ``out`` (a writable bytes-like, or a list of them filled in order): (bytes
+        written, the object's size)."""
+        views = targets(out)
+        n = sum(len(v) for v in views)
+        try:
+            got, size = self.call(lambda: self.client.get_range_into(self.key(name), 0, views),
+                                  f"reading {what} {self.path(name)}")
+        except ObjectMissing:
+            raise CheckpointNotFoundError(f"{what} {self.path(name)} is missing") from None
+        if got > n:
+            raise StorageError(f"reading {what} {self.path(name)}: the store sent {got} bytes for the first "
+                               f"{n}; it ignores ranged requests (HTTP Range); use storage that honours them")
+        if size is None:
+            size = self.size(name, what)
+        return got, size
 
     def read_all(self, name: str, limit: int, what: str = "file") -> bytes:
         url = self.path(name)
