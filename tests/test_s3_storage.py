@@ -511,6 +511,31 @@ def test_runs_whose_buffers_lie_back_to_back_are_streamed_straight_into_them(s3,
     files.close()
 
 
+def test_a_storage_that_probes_without_streaming_still_hands_the_first_read_its_bytes(tmp_path):
+    """A storage with a combined size-and-header ``probe`` but no streaming ``probe_into`` (a third-party one)
+    returns the first read's bytes in its own buffer; RemoteFiles copies them into the caller's, which is
+    never taken as already filled."""
+    from hyperdcp.sources.remote import RemoteFiles, load_remote_metadata
+    from hyperdcp.storage.local import LocalStorage
+
+    class ProbingOnly(LocalStorage):
+        max_request_bytes = 16 << 20
+
+        def probe(self, name, n, what="file"):
+            return self.fetch(name, 0, n), self.size(name, what)
+
+    a = np.arange(300_000, dtype=np.float32)
+    hyperdcp.save({"a": a}, str(tmp_path / "ck"))
+    meta = load_remote_metadata(str(tmp_path / "ck"))
+    c = meta.tensors["a"].chunks
+    f, off, n = int(c.file[0]), int(c.begin[0]), int(c.end[0] - c.begin[0])
+    files = RemoteFiles(str(tmp_path / "ck"), meta, storage=ProbingOnly(str(tmp_path / "ck")))
+    out = np.full(n, 0xAB, np.uint8)
+    files.read_into(f, off, out)
+    assert out.view(np.float32).tolist() == a.tolist()
+    files.close()
+
+
 @pytest.mark.parametrize("client", ["s3fs", "obstore"])
 def test_a_streamed_get_fills_the_callers_buffers_in_order_and_stops_at_the_objects_end(s3, client):
     """get_range_into writes a range into one buffer or across several, in order; at the object's end it

@@ -119,7 +119,9 @@ class RemoteFiles(DataFiles):
                 limit = int(getattr(self.storage, "max_request_bytes", 0) or 0)
                 fold = first is not None and first[1] > 0 and first[0] <= HEADER_PREFETCH and \
                     sum(first) <= limit + HEADER_PREFETCH and getattr(self.storage, "probe", None) is not None
-                dest = memoryview(into).cast("B") if fold and into is not None else None
+                # only a storage that streams (probe_into) puts the read's bytes into ``into``
+                streams = getattr(self.storage, "probe_into", None) is not None
+                dest = memoryview(into).cast("B") if fold and into is not None and streams else None
                 if dest is not None and len(dest) != first[1]:  # type: ignore[index]
                     dest = None
                 with self._lock:

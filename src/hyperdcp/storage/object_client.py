@@ -226,9 +226,11 @@ class S3fsClient(ObjectClient):
         total = str(resp.get("ContentRange") or "").rpartition("/")[2]
         total = int(total) if total.isdigit() else None
         pos = 0
+        ranged = resp.get("ResponseMetadata", {}).get("HTTPStatusCode") != 200 or start == 0
         async with resp["Body"] as body:
-            if want is not None and int(want) > size:
-                return int(want), total  # the store ignored the range: the caller refuses it, unread
+            if want is not None and int(want) > size or not ranged:
+                # the store ignored the range (a whole object, or a 200 from a later offset): refused, unread
+                return max(int(want or 0), size + 1), total
             for v in views:
                 at = 0
                 while at < len(v):

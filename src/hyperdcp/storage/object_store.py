@@ -25,7 +25,7 @@ import re
 import secrets
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptionError, FormatError, StorageError
@@ -422,7 +422,12 @@ class ObjectStorage(Storage):
                 self.bytes_read += got
             return got
 
-        got = [one(spans[0])] if len(spans) == 1 else [f.result() for f in [self.pool.submit(one, s) for s in spans]]
+        if len(spans) == 1:
+            got = [one(spans[0])]
+        else:  # every span finished (none still writing into ``out``) before an error is raised
+            futs = [self.pool.submit(one, s) for s in spans]
+            wait(futs)
+            got = [f.result() for f in futs]
         if any(g < n for g, (_, n) in zip(got, spans)):
             raise CorruptionError(
                 f"{self.path(name)}: unexpected end of file while reading {what} ({len(mv)} bytes from offset "
