@@ -13,6 +13,7 @@ import json
 import secrets
 import threading
 
+from ..core.buffers import copy_into
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptionError, FormatError, StorageError
 from ..format.metadata import METADATA_FILE
 from .base import FileWriter, SaveFiles, SaveStaging, Storage
@@ -110,7 +111,7 @@ class MemoryStorage(Storage):
         data = self._get(name, "data file")
         if offset + len(mv) > len(data):
             raise CorruptionError(f"{self.url}/{name}: unexpected end of file while reading {what}")
-        mv[:] = data[offset:offset + len(mv)]
+        copy_into(mv, memoryview(data)[offset:offset + len(mv)])  # no bytes slice copy, and the GIL released
         with self._lock:
             self.bytes_read += len(mv)
             self.reads += 1
