@@ -19,6 +19,7 @@ and download throughput of ``--client-mib`` MiB and the peak extra memory.
     python bench/object_store.py --ranks 8 --mesh 4 2 --mib 256
     python bench/object_store.py --ranks 2 --mesh 1 2 --mib 32 --clients     # a quick look
     python bench/object_store.py --libs hyperdcp,floor --profile /tmp/s3prof   # where the time goes
+    python bench/object_store.py --libs hyperdcp --loads same_layout --phases   # read-once phase times
 
 ``--profile DIR``: every rank runs each case under cProfile (DIR/<case>-<lib>-r<rank>.prof, main thread)
 and the proxy logs every request of the case (DIR/<case>-<lib>-requests.json: start, end, method, path,
@@ -126,6 +127,31 @@ def _floor_down(rank: int, part: int) -> None:
     st.close()
 
 
+def _watch_phases(marks: list) -> None:
+    """Note the time.monotonic() of a read-once load's phase boundaries in ``marks`` (this process only): the
+    wrapped methods are hyperdcp's own, unchanged."""
+    from hyperdcp.loading import read_once as ro
+
+    def wrap(cls, name: str, before: str | None, after: str | None) -> None:
+        fn = getattr(cls, name)
+
+        def timed(*a, **kw):
+            if before:
+                marks.append((before, time.monotonic()))
+            try:
+                return fn(*a, **kw)
+            finally:
+                if after:
+                    marks.append((after, time.monotonic()))
+        setattr(cls, name, timed)
+
+    wrap(ro._Exchange, "run", "planned", None)  # record, plan exchanges and schedule before it
+    wrap(ro._Exchange, "_map_segments", None, "mapped")  # shared memory reserved and mapped
+    wrap(ro._Exchange, "prepare", None, "read")  # this rank's GETs of a batch done and verified
+    wrap(ro._Exchange, "transfer", "checked", "copied")  # the batch's check passed; pieces copied and moved
+    wrap(ro._Exchange, "close", None, "closed")  # segments unmapped
+
+
 def _rank(rank, world, args, endpoint, pids=()):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -144,6 +170,9 @@ def _rank(rank, world, args, endpoint, pids=()):
     results = {}
 
     libs = set(args.libs.split(","))
+    marks: list = []  # (phase, time.monotonic()) of this rank's current case, with --phases
+    if args.phases:
+        _watch_phases(marks)
 
     def timed(key, fn, *a, **kw):
         if key[1] not in libs:
@@ -162,7 +191,8 @@ def _rank(rank, world, args, endpoint, pids=()):
 
             prof = cProfile.Profile()
         dist.barrier()
-        t0, wall0 = time.perf_counter(), time.time()
+        marks.clear()
+        t0, wall0, mono0 = time.perf_counter(), time.time(), time.monotonic()
         if prof is not None:
             prof.enable()
         fn(*a, **kw)
@@ -176,7 +206,8 @@ def _rank(rank, world, args, endpoint, pids=()):
         server = _diff(before, _stats(endpoint)) if rank == 0 else None
         results[key] = {"wall": wall, "peak_extra": peak, "server": server, "done": t_done, "cpu": my_cpu,
                         "minflt": my_flt,
-                        "cpu_others": [_cpu(p) - c for p, c in zip(pids, cpu0)]}
+                        "cpu_others": [_cpu(p) - c for p, c in zip(pids, cpu0)],
+                        "window": (mono0, mono0 + t_done), "phases": [(k, t - mono0) for k, t in marks]}
         if args.profile:
             tag = f"{key[0].replace(' ', '_')}-{key[1]}"
             prof.dump_stats(os.path.join(args.profile, f"{tag}-r{rank}.prof"))
@@ -267,6 +298,8 @@ def main() -> None:
     ap.add_argument("--libs", default="hyperdcp,torch,floor", help="which of hyperdcp,torch,floor to run")
     ap.add_argument("--loads", default="same_layout,1d_shard1", help="which loads to run")
     ap.add_argument("--profile", default=None, metavar="DIR", help="cProfile every rank and log every request into DIR")
+    ap.add_argument("--phases", action="store_true",
+                    help="print each case's time window and every rank's read-once phase times (s after its start)")
     args = ap.parse_args()
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
@@ -303,6 +336,12 @@ def main() -> None:
             moto, px = rows[0]["cpu_others"]
             print(f"    CPU s: ranks {sum(r['cpu'] for r in rows):.2f} (max {max(r['cpu'] for r in rows):.2f}), "
                   f"moto {moto:.2f}, proxy {px:.2f}; ranks' minor page faults {sum(r['minflt'] for r in rows)}")
+            if args.phases:
+                print(f"    window (CLOCK_MONOTONIC, for perf report --time): "
+                      f"{min(r['window'][0] for r in rows):.6f},{max(r['window'][1] for r in rows):.6f}")
+                for rank, r in enumerate(rows):
+                    if r["phases"]:
+                        print(f"    rank {rank}: " + " ".join(f"{k} {t:.3f}" for k, t in r["phases"]))
             if rows[0].get("timeline"):
                 done = sorted(r["done"] for r in rows)
                 print(f"    ranks returned after {done[0]:.2f}..{done[-1]:.2f} s\n" + rows[0]["timeline"])
